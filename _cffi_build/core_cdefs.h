@@ -1,0 +1,70 @@
+/* Only what cffi must see.  Kept in step with src/fmc_core.h by tests/test_core.py. */
+
+enum {
+    FMC_OK = 0,
+    FMC_ERR_INVALID_ARGUMENT = -1,
+    FMC_ERR_TOO_MANY_REQUESTS = -2,
+    FMC_ERR_ADDRESS_NOT_REGISTERED = -3,
+    FMC_ERR_BATCH_BUSY = -4,
+    FMC_ERR_ADDRESS_OVERLAPPED = -7,
+    FMC_ERR_DNS = -101,
+    FMC_ERR_SOCKET = -102,
+    FMC_ERR_TIMEOUT = -105,
+    FMC_ERR_REMOTE_REFUSED = -106,
+    FMC_ERR_MEMORY = -302,
+    FMC_ERR_NOT_IMPLEMENTED = -303,
+};
+
+enum { FMC_OP_READ = 0, FMC_OP_WRITE = 1 };
+enum { FMC_TASK_PENDING = 1 };
+
+typedef struct fmc_engine fmc_engine;
+typedef struct fmc_peer fmc_peer;
+typedef struct fmc_batch fmc_batch;
+
+typedef struct {
+    uint64_t bytes_written_out;    /* payload bytes this engine wrote to peers */
+    uint64_t bytes_read_in;        /* payload bytes this engine read from peers */
+    uint64_t bytes_served_in;      /* payload bytes peers wrote into this engine */
+    uint64_t bytes_served_out;     /* payload bytes peers read from this engine */
+    uint64_t batches_ok;
+    uint64_t batches_failed;
+    uint64_t requests_refused;     /* remote requests refused by the registry check */
+    uint64_t protocol_errors;      /* connections dropped for malformed input */
+    uint64_t server_connections;   /* live inbound data connections */
+} fmc_stats;
+
+const char *fmc_version(void);
+const char *fmc_last_error(void);
+int fmc_data_header_size(void);
+
+int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out);
+int fmc_engine_data_port(fmc_engine *engine);
+void fmc_engine_destroy(fmc_engine *engine);
+void fmc_engine_get_stats(fmc_engine *engine, fmc_stats *out);
+int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
+
+int fmc_register(fmc_engine *engine, uint64_t addr, uint64_t len, uint32_t *key_out);
+int fmc_unregister(fmc_engine *engine, uint64_t addr);
+int fmc_region_table(fmc_engine *engine, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap);
+
+int fmc_peer_create(fmc_engine *engine, const char *host, int data_port, int nstreams,
+                    uint64_t slice_size, fmc_peer **out);
+int fmc_peer_set_regions(fmc_peer *peer, const uint64_t *addrs, const uint64_t *lens,
+                         const uint32_t *keys, int n);
+int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *base_out,
+                         uint32_t *key_out);
+int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
+int fmc_peer_is_healthy(fmc_peer *peer);
+void fmc_peer_close(fmc_peer *peer);
+void fmc_peer_release(fmc_peer *peer);
+
+int fmc_batch_submit(fmc_peer *peer, int opcode, int n, const uint64_t *local,
+                     const uint64_t *remote, const uint64_t *lens, fmc_batch **out);
+int fmc_batch_wait(fmc_batch *batch, int64_t timeout_ms);
+int fmc_batch_poll(fmc_batch *batch);
+int fmc_batch_task_status(fmc_batch *batch, int index);
+int fmc_batch_cancel(fmc_batch *batch);
+void fmc_batch_free(fmc_batch *batch);
+int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                 const uint64_t *lens, int64_t timeout_ms);

@@ -1,0 +1,280 @@
+/* Batches: a vector of (local, remote, length) tasks cut into slices, spread over a peer's
+ * streams, tracked per task, and waited for with a deadline.  A wait that times out cancels the
+ * batch and returns only once no stream thread touches the batch's memory. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "fmc_internal.h"
+
+void fmc_slice_finish(fmc_slice *s, int status)
+{
+    fmc_batch *b = s->batch;
+    pthread_mutex_lock(&b->mu);
+    int t = s->task;
+    if (status != FMC_OK && b->task_status[t] >= 0)
+        b->task_status[t] = status;
+    if (--b->task_remaining[t] == 0 && b->task_status[t] == FMC_TASK_PENDING)
+        b->task_status[t] = FMC_OK;
+    if (status != FMC_OK && b->first_error == FMC_OK)
+        b->first_error = status;
+    if (--b->outstanding == 0) {
+        fmc_engine *e = b->peer->engine;
+        b->finished = 1;
+        if (b->first_error == FMC_OK) {
+            e->stat_batches_ok++;
+            if (b->opcode == FMC_OP_WRITE)
+                e->stat_written_out += b->bytes;
+            else
+                e->stat_read_in += b->bytes;
+        } else {
+            e->stat_batches_failed++;
+        }
+        pthread_cond_broadcast(&b->cv);
+    }
+    pthread_mutex_unlock(&b->mu);
+}
+
+static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
+{
+    size_t size = sizeof(fmc_batch) + (size_t)nslices * sizeof(fmc_slice) + (size_t)ntasks * 2 * sizeof(int32_t);
+    fmc_batch *b = calloc(1, size);
+    if (!b)
+        return NULL;
+    pthread_mutex_init(&b->mu, NULL);
+    fmc_cond_init_monotonic(&b->cv);
+    b->slices = (fmc_slice *)(b + 1);
+    b->task_status = (int32_t *)(b->slices + nslices);
+    b->task_remaining = b->task_status + ntasks;
+    b->peer = p;
+    atomic_fetch_add(&p->refs, 1);
+    b->opcode = opcode;
+    b->ntasks = ntasks;
+    b->nslices = nslices;
+    return b;
+}
+
+int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                     const uint64_t *lens, fmc_batch **out)
+{
+    *out = NULL;
+    if ((opcode != FMC_OP_READ && opcode != FMC_OP_WRITE) || n < 0) {
+        fmc_set_error("invalid opcode %d or task count %d", opcode, n);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    if (!fmc_peer_is_healthy(p)) {
+        fmc_set_error("connection to %s:%d is down", p->host, p->data_port);
+        return FMC_ERR_SOCKET;
+    }
+    uint32_t *keys = malloc(sizeof *keys * (size_t)(n ? n : 1));
+    if (!keys)
+        return FMC_ERR_MEMORY;
+    int bad = -1;
+    int rc = fmc_peer_lookup_keys(p, n, remote, lens, keys, &bad);
+    if (rc != FMC_OK) {
+        fmc_set_error("remote range [0x%llx, +%llu) (entry %d) is not inside one region registered by the peer (data port %s:%d)",
+                      (unsigned long long)remote[bad], (unsigned long long)lens[bad], bad, p->host, p->data_port);
+        free(keys);
+        return rc;
+    }
+    uint64_t nslices = 0;
+    for (int i = 0; i < n; i++) {
+        if (lens[i] == 0)
+            continue;
+        if (!fmc_local_range_ok(p->engine, local[i], lens[i])) {
+            fmc_set_error("local range [0x%llx, +%llu) (entry %d) is not inside one registered region",
+                          (unsigned long long)local[i], (unsigned long long)lens[i], i);
+            free(keys);
+            return FMC_ERR_ADDRESS_NOT_REGISTERED;
+        }
+        nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
+    }
+    if (nslices > (1u << 30)) {
+        free(keys);
+        fmc_set_error("batch too large (%llu slices)", (unsigned long long)nslices);
+        return FMC_ERR_TOO_MANY_REQUESTS;
+    }
+    fmc_batch *b = batch_alloc(p, opcode, n, (int)nslices);
+    if (!b) {
+        free(keys);
+        return FMC_ERR_MEMORY;
+    }
+    /* Cut tasks into slices and hand runs of about slice_size bytes to successive streams, so
+     * that many small tasks ride one stream together and big ones spread over all of them. */
+    fmc_slice_list per_stream[FMC_MAX_STREAMS];
+    memset(per_stream, 0, sizeof per_stream);
+    int stream = (int)(atomic_fetch_add(&p->rr, 1) % (uint32_t)p->nstreams);
+    uint64_t run = 0;
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        b->task_status[i] = lens[i] ? FMC_TASK_PENDING : FMC_OK;
+        for (uint64_t off = 0; off < lens[i]; off += p->slice_size) {
+            fmc_slice *s = &b->slices[k++];
+            s->batch = b;
+            s->task = i;
+            s->local = local[i] + off;
+            s->remote = remote[i] + off;
+            s->len = lens[i] - off < p->slice_size ? lens[i] - off : p->slice_size;
+            s->key = keys[i];
+            s->id = atomic_fetch_add(&p->next_id, 1);
+            b->task_remaining[i]++;
+            b->bytes += s->len;
+            fmc_slice_list *l = &per_stream[stream];
+            s->next = NULL;
+            if (l->tail)
+                l->tail->next = s;
+            else
+                l->head = s;
+            l->tail = s;
+            run += s->len;
+            if (run >= p->slice_size) {
+                run = 0;
+                stream = (stream + 1) % p->nstreams;
+            }
+        }
+    }
+    free(keys);
+    b->outstanding = (int)nslices;
+    b->finished = nslices == 0;
+    *out = b;
+    for (int i = 0; i < p->nstreams; i++) {
+        if (!per_stream[i].head)
+            continue;
+        fmc_slice *head = per_stream[i].head;
+        if (fmc_stream_enqueue(&p->streams[i], &per_stream[i]) != FMC_OK) {
+            while (head) { /* never queued: fail them here */
+                fmc_slice *next = head->next;
+                fmc_slice_finish(head, FMC_ERR_SOCKET);
+                head = next;
+            }
+        }
+    }
+    return FMC_OK;
+}
+
+int fmc_batch_poll(fmc_batch *b)
+{
+    pthread_mutex_lock(&b->mu);
+    int rc = b->finished ? (b->first_error == FMC_OK ? 1 : b->first_error) : 0;
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+int fmc_batch_task_status(fmc_batch *b, int index)
+{
+    if (index < 0 || index >= b->ntasks)
+        return FMC_ERR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&b->mu);
+    int rc = b->task_status[index];
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+static int slice_list_has_batch(fmc_slice *s, fmc_batch *b)
+{
+    for (; s; s = s->next)
+        if (s->batch == b)
+            return 1;
+    return 0;
+}
+
+int fmc_batch_cancel(fmc_batch *b)
+{
+    pthread_mutex_lock(&b->mu);
+    if (b->finished) {
+        pthread_mutex_unlock(&b->mu);
+        return FMC_OK;
+    }
+    b->cancelled = 1;
+    if (b->first_error == FMC_OK)
+        b->first_error = FMC_ERR_TIMEOUT;
+    pthread_mutex_unlock(&b->mu);
+
+    fmc_peer *p = b->peer;
+    for (int i = 0; i < p->nstreams; i++) {
+        fmc_stream *st = &p->streams[i];
+        fmc_slice_list removed = {0}, keep = {0};
+        pthread_mutex_lock(&st->mu);
+        /* Unsent slices are simply taken back. */
+        for (fmc_slice *s = st->pending.head, *next; s; s = next) {
+            next = s->next;
+            fmc_slice_list *dst = s->batch == b ? &removed : &keep;
+            s->next = NULL;
+            if (dst->tail)
+                dst->tail->next = s;
+            else
+                dst->head = s;
+            dst->tail = s;
+        }
+        st->pending = keep;
+        /* Slices on the wire may still read or write our memory: only cutting the stream stops
+         * that, and the stream's exit path then finishes them. */
+        int cut = (st->receiving && st->receiving->batch == b) || slice_list_has_batch(st->inflight.head, b);
+        pthread_mutex_unlock(&st->mu);
+        if (cut)
+            fmc_stream_kill(st);
+        for (fmc_slice *s = removed.head, *next; s; s = next) {
+            next = s->next;
+            fmc_slice_finish(s, FMC_ERR_TIMEOUT);
+        }
+    }
+    pthread_mutex_lock(&b->mu);
+    while (!b->finished)
+        pthread_cond_wait(&b->cv, &b->mu);
+    pthread_mutex_unlock(&b->mu);
+    return FMC_OK;
+}
+
+int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
+{
+    struct timespec ts;
+    if (timeout_ms >= 0)
+        fmc_deadline_ts(timeout_ms, &ts);
+    pthread_mutex_lock(&b->mu);
+    while (!b->finished) {
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&b->cv, &b->mu);
+        } else if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT) {
+            break;
+        }
+    }
+    int finished = b->finished;
+    int rc = b->first_error;
+    pthread_mutex_unlock(&b->mu);
+    if (finished)
+        return rc;
+    fmc_batch_cancel(b);
+    fmc_set_error("transfer to %s:%d timed out after %lld ms", b->peer->host, b->peer->data_port,
+                  (long long)timeout_ms);
+    return FMC_ERR_TIMEOUT;
+}
+
+void fmc_batch_free(fmc_batch *b)
+{
+    if (!b)
+        return;
+    fmc_batch_cancel(b);
+    fmc_peer *p = b->peer;
+    pthread_mutex_destroy(&b->mu);
+    pthread_cond_destroy(&b->cv);
+    free(b);
+    fmc_peer_release(p);
+}
+
+int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                 const uint64_t *lens, int64_t timeout_ms)
+{
+    fmc_batch *b = NULL;
+    int rc = fmc_batch_submit(p, opcode, n, local, remote, lens, &b);
+    if (rc != FMC_OK)
+        return rc;
+    rc = fmc_batch_wait(b, timeout_ms);
+    if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT) {
+        fmc_set_error("transfer to %s:%d failed (%s)", p->host, p->data_port,
+                      rc == FMC_ERR_REMOTE_REFUSED ? "the target refused a range" : "connection lost");
+    }
+    fmc_batch_free(b);
+    return rc;
+}

@@ -1,0 +1,219 @@
+/* Engine lifecycle, the registry's public calls, statistics and the engine's message log. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+#include "fmc_wire.h"
+
+#ifndef FMC_VERSION
+#define FMC_VERSION "0.0.0"
+#endif
+
+const char *fmc_version(void) { return FMC_VERSION; }
+int fmc_data_header_size(void) { return FMC_REQ_SIZE; }
+
+void fmc_engine_log(fmc_engine *e, const char *fmt, ...)
+{
+    char line[300];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    if (n > (int)sizeof line - 2)
+        n = (int)sizeof line - 2;
+    line[n++] = '\n';
+    pthread_mutex_lock(&e->log_mu);
+    if (e->log_len + n <= FMC_LOG_CAP) { /* full: drop, the counters still tell */
+        memcpy(e->log + e->log_len, line, (size_t)n);
+        e->log_len += n;
+    }
+    pthread_mutex_unlock(&e->log_mu);
+}
+
+int fmc_engine_drain_log(fmc_engine *e, char *buf, int cap)
+{
+    pthread_mutex_lock(&e->log_mu);
+    int n = e->log_len < cap ? e->log_len : cap;
+    memcpy(buf, e->log, (size_t)n);
+    memmove(e->log, e->log + n, (size_t)(e->log_len - n));
+    e->log_len -= n;
+    pthread_mutex_unlock(&e->log_mu);
+    return n;
+}
+
+int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out)
+{
+    *out = NULL;
+    if (port_min < 0 || port_max > 65535 || port_min > port_max) {
+        fmc_set_error("invalid data port range [%d, %d]", port_min, port_max);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    fmc_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return FMC_ERR_MEMORY;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->log_mu, NULL);
+    fmc_cond_init_monotonic(&e->cv);
+    e->wake_pipe[0] = e->wake_pipe[1] = -1;
+    int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);
+    if (fd < 0) {
+        free(e);
+        return fd;
+    }
+    e->listen_fd = fd;
+    if (pipe2(e->wake_pipe, O_CLOEXEC) != 0 ||
+        pthread_create(&e->accept_thread, NULL, fmc_server_accept_main, e) != 0) {
+        fmc_set_error("cannot start the data listener thread: %s", strerror(errno));
+        close(fd);
+        if (e->wake_pipe[0] >= 0) {
+            close(e->wake_pipe[0]);
+            close(e->wake_pipe[1]);
+        }
+        free(e);
+        return FMC_ERR_MEMORY;
+    }
+    *out = e;
+    return FMC_OK;
+}
+
+int fmc_engine_data_port(fmc_engine *e) { return e->data_port; }
+
+void fmc_engine_destroy(fmc_engine *e)
+{
+    if (!e)
+        return;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = 1;
+    pthread_mutex_unlock(&e->mu);
+    char c = 1;
+    if (write(e->wake_pipe[1], &c, 1) < 0) { /* the accept thread also polls `stopping` */
+    }
+    pthread_join(e->accept_thread, NULL);
+    close(e->listen_fd);
+    close(e->wake_pipe[0]);
+    close(e->wake_pipe[1]);
+    pthread_mutex_lock(&e->mu);
+    for (fmc_server_conn *sc = e->conns; sc; sc = sc->next)
+        shutdown(sc->fd, SHUT_RDWR);
+    while (e->nconns > 0)
+        pthread_cond_wait(&e->cv, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    fmc_registry_free(&e->reg);
+    pthread_mutex_destroy(&e->mu);
+    pthread_mutex_destroy(&e->log_mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+void fmc_engine_get_stats(fmc_engine *e, fmc_stats *s)
+{
+    s->bytes_written_out = e->stat_written_out;
+    s->bytes_read_in = e->stat_read_in;
+    s->bytes_served_in = e->stat_served_in;
+    s->bytes_served_out = e->stat_served_out;
+    s->batches_ok = e->stat_batches_ok;
+    s->batches_failed = e->stat_batches_failed;
+    s->requests_refused = e->stat_refused;
+    s->protocol_errors = e->stat_protocol_errors;
+    pthread_mutex_lock(&e->mu);
+    s->server_connections = (uint64_t)e->nconns;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ------------------------------------------------------------------ registry API */
+
+static uint32_t random_key(void)
+{
+    uint32_t k = 0;
+    while (k == 0) {
+        if (getrandom(&k, sizeof k, 0) != (ssize_t)sizeof k)
+            k = (uint32_t)rand() ^ (uint32_t)fmc_now_ms();
+    }
+    return k;
+}
+
+int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
+{
+    if (addr == 0 || len == 0 || addr + len < addr) {
+        fmc_set_error("cannot register [0x%llx, +%llu): %s", (unsigned long long)addr,
+                      (unsigned long long)len,
+                      addr == 0 ? "null address" : len == 0 ? "zero length" : "range wraps around");
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    int rc = fmc_check_mapped(addr, len);
+    if (rc != FMC_OK)
+        return rc;
+    uint32_t key = random_key();
+    pthread_mutex_lock(&e->mu);
+    rc = fmc_registry_add(&e->reg, addr, len, key);
+    pthread_mutex_unlock(&e->mu);
+    if (rc == FMC_OK && key_out)
+        *key_out = key;
+    return rc;
+}
+
+static int conn_pins(const fmc_server_conn *sc, const fmc_region *r)
+{
+    for (int i = 0; i < sc->npins; i++)
+        if (sc->pins[i] == r)
+            return 1;
+    return 0;
+}
+
+int fmc_unregister(fmc_engine *e, uint64_t addr)
+{
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = fmc_registry_remove(&e->reg, addr);
+    if (!r) {
+        pthread_mutex_unlock(&e->mu);
+        fmc_set_error("address 0x%llx is not the start of a registered region",
+                      (unsigned long long)addr);
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    }
+    /* No new operation can pin r now.  Give the ones in progress a moment to finish, then cut
+     * the connections still holding it so that no byte moves once we return. */
+    int64_t grace_until = fmc_now_ms() + 200;
+    while (r->refs > 0) {
+        if (fmc_now_ms() >= grace_until) {
+            for (fmc_server_conn *sc = e->conns; sc; sc = sc->next)
+                if (conn_pins(sc, r))
+                    shutdown(sc->fd, SHUT_RDWR);
+        }
+        struct timespec ts;
+        fmc_deadline_ts(20, &ts);
+        pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    }
+    pthread_mutex_unlock(&e->mu);
+    free(r);
+    return FMC_OK;
+}
+
+int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap)
+{
+    pthread_mutex_lock(&e->mu);
+    int n = e->reg.count;
+    for (int i = 0; i < n && i < cap; i++) {
+        addrs[i] = e->reg.items[i]->addr;
+        lens[i] = e->reg.items[i]->len;
+        keys[i] = e->reg.items[i]->key;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len)
+{
+    pthread_mutex_lock(&e->mu);
+    int ok = fmc_registry_find(&e->reg, addr, len) != NULL;
+    pthread_mutex_unlock(&e->mu);
+    return ok;
+}

@@ -1,0 +1,174 @@
+/* Structures shared by the core's modules.  Nothing here is seen by Python. */
+#ifndef FMC_INTERNAL_H
+#define FMC_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "fmc_core.h"
+
+#define FMC_MAX_PINS 512         /* regions one server connection may hold pinned at once */
+#define FMC_IOV_MAX 512          /* iovec entries per sendmsg */
+#define FMC_COALESCE_BYTES (1u << 20) /* a sender stops gathering slices past this many bytes */
+#define FMC_RBUF_SIZE (256u << 10)    /* buffered reader size (headers and small payloads) */
+#define FMC_MAX_STREAMS 64
+
+/* ---------------------------------------------------------------- util (fmc_util.c) */
+void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int64_t fmc_now_ms(void);
+void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
+void fmc_cond_init_monotonic(pthread_cond_t *cv);
+
+/* Buffered reader over a blocking socket: headers and small payloads come from one recv. */
+typedef struct {
+    int fd;
+    uint8_t *buf;
+    size_t cap, start, end;
+} fmc_reader;
+
+int fmc_reader_init(fmc_reader *r, int fd, size_t cap);
+void fmc_reader_free(fmc_reader *r);
+static inline size_t fmc_reader_buffered(const fmc_reader *r) { return r->end - r->start; }
+/* Make at least n (<= cap) bytes available; -1 on EOF/error. */
+int fmc_reader_fill(fmc_reader *r, size_t n);
+/* Try to pull more bytes without blocking; returns 1 if any arrived, 0 if none, -1 on EOF/error. */
+int fmc_reader_try_more(fmc_reader *r);
+/* Copy n bytes to dst: buffered bytes first, then straight from the socket. */
+int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n);
+/* Throw n bytes away. */
+int fmc_reader_skip(fmc_reader *r, size_t n);
+
+int fmc_send_all(int fd, const void *buf, size_t len);
+int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
+int fmc_recv_all(int fd, void *buf, size_t len);
+int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
+int fmc_tcp_connect(const char *host, int port, int timeout_ms);
+void fmc_tune_socket(int fd);
+
+/* ---------------------------------------------------------------- registry (fmc_registry.c) */
+typedef struct fmc_region {
+    uint64_t addr, len;
+    uint32_t key;
+    int refs;     /* remote operations currently touching the region */
+    int removed;  /* unregistered: no new pins */
+} fmc_region;
+
+typedef struct {
+    fmc_region **items; /* sorted by addr, non-overlapping */
+    int count, cap;
+} fmc_registry;
+
+/* Returns the region that wholly holds [addr, addr+len), or NULL.  Caller holds engine->mu. */
+fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len);
+int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key);
+fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr);
+void fmc_registry_free(fmc_registry *reg);
+int fmc_check_mapped(uint64_t addr, uint64_t len);
+
+/* ---------------------------------------------------------------- server (fmc_server.c) */
+typedef struct fmc_server_conn {
+    int fd;
+    fmc_region *pins[FMC_MAX_PINS]; /* guarded by engine->mu */
+    int npins;
+    struct fmc_server_conn *prev, *next;
+} fmc_server_conn;
+
+/* ---------------------------------------------------------------- engine (fmc_engine.c) */
+#define FMC_LOG_CAP 8192
+
+struct fmc_engine {
+    pthread_mutex_t mu;  /* regions, pins, server connections */
+    pthread_cond_t cv;   /* region refs dropped / connection gone */
+    fmc_registry reg;
+    fmc_server_conn *conns;
+    int nconns;
+    int listen_fd, data_port;
+    int wake_pipe[2];
+    pthread_t accept_thread;
+    int stopping;
+    atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
+    atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
+    atomic_uint_fast64_t next_batch_seq;
+    pthread_mutex_t log_mu;
+    char log[FMC_LOG_CAP];
+    int log_len;
+};
+
+void fmc_engine_log(fmc_engine *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void *fmc_server_accept_main(void *arg);
+int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len);
+
+/* ---------------------------------------------------------------- batches and peers */
+typedef struct fmc_slice {
+    struct fmc_batch *batch;
+    struct fmc_slice *next;
+    uint64_t local, remote, len, id;
+    uint32_t key;
+    int task;
+} fmc_slice;
+
+typedef struct {
+    fmc_slice *head, *tail;
+} fmc_slice_list;
+
+struct fmc_batch {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct fmc_peer *peer;
+    int opcode;
+    int ntasks, nslices;
+    int outstanding;     /* slices not yet in a final state */
+    int first_error;
+    int finished;        /* 1 once outstanding hit 0 */
+    int cancelled;
+    uint64_t bytes;
+    int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
+    int32_t *task_remaining;
+    fmc_slice *slices;
+};
+
+typedef struct fmc_stream {
+    struct fmc_peer *peer;
+    int index;
+    int fd;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;        /* work queued or stream died */
+    fmc_slice_list pending;   /* queued, not yet sent */
+    fmc_slice_list inflight;  /* sent (or being sent), answer not yet consumed */
+    fmc_slice *receiving;     /* answer being read into local memory */
+    int dead;
+    int threads_alive;
+    int started;
+    pthread_t send_thread, recv_thread;
+} fmc_stream;
+
+struct fmc_peer {
+    fmc_engine *engine;
+    char host[256];
+    int data_port;
+    int nstreams;
+    uint64_t slice_size;
+    pthread_mutex_t mu;       /* remote table, state */
+    uint64_t *r_addr, *r_len;
+    uint32_t *r_key;
+    int r_count;
+    int connected, closed;
+    atomic_int refs;
+    atomic_uint_fast32_t rr;  /* round-robin start stream */
+    atomic_uint_fast64_t next_id;
+    fmc_stream streams[FMC_MAX_STREAMS];
+};
+
+int fmc_peer_lookup_keys(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens,
+                         uint32_t *keys, int *bad_index);
+void fmc_slice_finish(fmc_slice *s, int status);
+void fmc_stream_kill(fmc_stream *st);
+int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
+int fmc_batch_cancel_slices(fmc_batch *b);
+void *fmc_stream_send_main(void *arg);
+void *fmc_stream_recv_main(void *arg);
+
+#endif

@@ -1,0 +1,459 @@
+/* Initiator side: a peer is one remote engine, its region table and N persistent data streams.
+ * Each stream has a sender thread (gathers queued slices into one sendmsg) and a receiver thread
+ * (consumes answers in order, reads read-payloads straight into local memory).  A slice is only
+ * declared finished once no thread touches its memory any more: that is what lets a timed-out
+ * call return with its buffers free. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+#include "fmc_wire.h"
+
+#define FMC_DEFAULT_SLICE (1ull << 20)
+#define FMC_MIN_SLICE (4ull << 10)
+
+static void list_push(fmc_slice_list *l, fmc_slice *s)
+{
+    s->next = NULL;
+    if (l->tail)
+        l->tail->next = s;
+    else
+        l->head = s;
+    l->tail = s;
+}
+
+static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
+{
+    if (!src->head)
+        return;
+    if (dst->tail)
+        dst->tail->next = src->head;
+    else
+        dst->head = src->head;
+    dst->tail = src->tail;
+    src->head = src->tail = NULL;
+}
+
+static void finish_all(fmc_slice *s, int status)
+{
+    while (s) {
+        fmc_slice *next = s->next; /* read before finishing: the batch may be freed after */
+        fmc_slice_finish(s, status);
+        s = next;
+    }
+}
+
+/* ------------------------------------------------------------------ stream threads */
+
+/* Called by each stream thread as it leaves; the last one out fails whatever is left, which is
+ * safe because neither thread can touch slice memory any more. */
+static void stream_thread_exit(fmc_stream *st)
+{
+    fmc_slice_list left = {0};
+    pthread_mutex_lock(&st->mu);
+    if (!st->dead) {
+        st->dead = 1;
+        if (st->fd >= 0)
+            shutdown(st->fd, SHUT_RDWR);
+    }
+    pthread_cond_broadcast(&st->cv);
+    if (--st->threads_alive == 0) {
+        if (st->receiving)
+            list_push(&left, st->receiving);
+        st->receiving = NULL;
+        list_append(&left, &st->inflight);
+        list_append(&left, &st->pending);
+    }
+    pthread_mutex_unlock(&st->mu);
+    finish_all(left.head, FMC_ERR_SOCKET);
+}
+
+void fmc_stream_kill(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    st->dead = 1;
+    if (st->fd >= 0)
+        shutdown(st->fd, SHUT_RDWR);
+    pthread_cond_broadcast(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+}
+
+int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->dead) {
+        pthread_mutex_unlock(&st->mu);
+        return FMC_ERR_SOCKET;
+    }
+    list_append(&st->pending, list);
+    pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+    return FMC_OK;
+}
+
+void *fmc_stream_send_main(void *arg)
+{
+    fmc_stream *st = arg;
+    uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
+    struct iovec iov[FMC_IOV_MAX];
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        while (!st->dead && !st->pending.head)
+            pthread_cond_wait(&st->cv, &st->mu);
+        if (st->dead)
+            break;
+        /* Gather queued slices into one sendmsg; they move to `inflight` before the first byte
+         * leaves, because their answers may come back before sendmsg returns. */
+        int niov = 0, nh = 0;
+        size_t bytes = 0;
+        while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
+            fmc_slice *s = st->pending.head;
+            st->pending.head = s->next;
+            if (!st->pending.head)
+                st->pending.tail = NULL;
+            list_push(&st->inflight, s);
+            int is_write = s->batch->opcode == FMC_OP_WRITE;
+            fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ,
+                         .key = s->key, .id = s->id, .addr = s->remote, .len = s->len};
+            fmc_req_encode(hdr[nh], &q);
+            iov[niov++] = (struct iovec){.iov_base = hdr[nh++], .iov_len = FMC_REQ_SIZE};
+            bytes += FMC_REQ_SIZE;
+            if (is_write) {
+                iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
+                bytes += s->len;
+            }
+        }
+        pthread_mutex_unlock(&st->mu);
+        int rc = fmc_sendv_all(st->fd, iov, niov);
+        pthread_mutex_lock(&st->mu);
+        if (rc < 0)
+            break;
+    }
+    pthread_mutex_unlock(&st->mu);
+    stream_thread_exit(st);
+    return NULL;
+}
+
+static int remote_status(int32_t status)
+{
+    if (status == FMC_OK || status == FMC_ERR_REMOTE_REFUSED || status == FMC_ERR_ADDRESS_NOT_REGISTERED)
+        return status;
+    return FMC_ERR_SOCKET;
+}
+
+void *fmc_stream_recv_main(void *arg)
+{
+    fmc_stream *st = arg;
+    fmc_engine *e = st->peer->engine;
+    fmc_reader rd;
+    if (fmc_reader_init(&rd, st->fd, 64u << 10) != 0) {
+        stream_thread_exit(st);
+        return NULL;
+    }
+    for (;;) {
+        if (fmc_reader_fill(&rd, FMC_RESP_SIZE) < 0)
+            break;
+        fmc_resp a;
+        fmc_resp_decode(rd.buf + rd.start, &a);
+        rd.start += FMC_RESP_SIZE;
+        pthread_mutex_lock(&st->mu);
+        fmc_slice *s = st->inflight.head;
+        int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
+        int bad = !s || s->id != a.id || a.len != (carries_data ? s->len : 0);
+        if (bad) {
+            pthread_mutex_unlock(&st->mu);
+            fmc_engine_log(e, "peer %s:%d sent an answer that matches no request; stream closed",
+                           st->peer->host, st->peer->data_port);
+            break;
+        }
+        st->inflight.head = s->next;
+        if (!st->inflight.head)
+            st->inflight.tail = NULL;
+        if (a.len) {
+            st->receiving = s;
+            pthread_mutex_unlock(&st->mu);
+            if (fmc_reader_read_into(&rd, (void *)(uintptr_t)s->local, (size_t)s->len) < 0)
+                break; /* `receiving` stays set: the exit path fails it */
+            pthread_mutex_lock(&st->mu);
+            st->receiving = NULL;
+        }
+        pthread_mutex_unlock(&st->mu);
+        fmc_slice_finish(s, remote_status(a.status));
+    }
+    fmc_reader_free(&rd);
+    stream_thread_exit(st);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ peer API */
+
+int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams, uint64_t slice_size,
+                    fmc_peer **out)
+{
+    *out = NULL;
+    if (!host || strlen(host) >= sizeof(((fmc_peer *)0)->host) || data_port <= 0 || data_port > 65535 ||
+        nstreams < 1 || nstreams > FMC_MAX_STREAMS) {
+        fmc_set_error("invalid peer parameters (host '%s', port %d, %d streams; 1..%d streams allowed)",
+                      host ? host : "", data_port, nstreams, FMC_MAX_STREAMS);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    if (slice_size == 0)
+        slice_size = FMC_DEFAULT_SLICE;
+    if (slice_size < FMC_MIN_SLICE || slice_size > FMC_MAX_WIRE_LEN) {
+        fmc_set_error("slice size %llu outside [%llu, %llu]", (unsigned long long)slice_size,
+                      (unsigned long long)FMC_MIN_SLICE, (unsigned long long)FMC_MAX_WIRE_LEN);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    fmc_peer *p = calloc(1, sizeof *p);
+    if (!p)
+        return FMC_ERR_MEMORY;
+    p->engine = e;
+    strcpy(p->host, host);
+    p->data_port = data_port;
+    p->nstreams = nstreams;
+    p->slice_size = slice_size;
+    pthread_mutex_init(&p->mu, NULL);
+    atomic_init(&p->refs, 1);
+    atomic_init(&p->next_id, 1);
+    for (int i = 0; i < nstreams; i++) {
+        fmc_stream *st = &p->streams[i];
+        st->peer = p;
+        st->index = i;
+        st->fd = -1;
+        st->dead = 1; /* until connected */
+        pthread_mutex_init(&st->mu, NULL);
+        pthread_cond_init(&st->cv, NULL);
+    }
+    *out = p;
+    return FMC_OK;
+}
+
+int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *lens, const uint32_t *keys, int n)
+{
+    if (n < 0)
+        return FMC_ERR_INVALID_ARGUMENT;
+    uint64_t *a = malloc(sizeof *a * (size_t)(n ? n : 1));
+    uint64_t *l = malloc(sizeof *l * (size_t)(n ? n : 1));
+    uint32_t *k = malloc(sizeof *k * (size_t)(n ? n : 1));
+    if (!a || !l || !k) {
+        free(a);
+        free(l);
+        free(k);
+        return FMC_ERR_MEMORY;
+    }
+    /* insertion sort by address: tables are small and usually arrive sorted */
+    for (int i = 0; i < n; i++) {
+        int j = i;
+        while (j > 0 && a[j - 1] > addrs[i]) {
+            a[j] = a[j - 1];
+            l[j] = l[j - 1];
+            k[j] = k[j - 1];
+            j--;
+        }
+        a[j] = addrs[i];
+        l[j] = lens[i];
+        k[j] = keys[i];
+    }
+    pthread_mutex_lock(&p->mu);
+    free(p->r_addr);
+    free(p->r_len);
+    free(p->r_key);
+    p->r_addr = a;
+    p->r_len = l;
+    p->r_key = k;
+    p->r_count = n;
+    pthread_mutex_unlock(&p->mu);
+    return FMC_OK;
+}
+
+/* The seed's make_desc: the remote region and key that wholly hold [addr, addr+len). */
+static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key)
+{
+    if (len == 0 || addr + len < addr)
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    int lo = 0, hi = p->r_count - 1, idx = -1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (p->r_addr[mid] <= addr) {
+            idx = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    if (idx < 0)
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    uint64_t off = addr - p->r_addr[idx];
+    if (off >= p->r_len[idx] || len > p->r_len[idx] - off)
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    if (base)
+        *base = p->r_addr[idx];
+    if (key)
+        *key = p->r_key[idx];
+    return FMC_OK;
+}
+
+int fmc_peer_find_region(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base_out, uint32_t *key_out)
+{
+    pthread_mutex_lock(&p->mu);
+    int rc = find_locked(p, addr, len, base_out, key_out);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Resolve keys for every remote range, before anything is sent.  Returns the failing index via
+ * *bad_index. */
+int fmc_peer_lookup_keys(fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, uint32_t *keys,
+                         int *bad_index)
+{
+    pthread_mutex_lock(&p->mu);
+    for (int i = 0; i < n; i++) {
+        if (lens[i] == 0) {
+            keys[i] = 0;
+            continue;
+        }
+        if (find_locked(p, remote[i], lens[i], NULL, &keys[i]) != FMC_OK) {
+            pthread_mutex_unlock(&p->mu);
+            *bad_index = i;
+            return FMC_ERR_ADDRESS_NOT_REGISTERED;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return FMC_OK;
+}
+
+static int read_preamble_reply(int fd, int timeout_ms)
+{
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    uint8_t reply[FMC_PREAMBLE_SIZE];
+    int rc = fmc_recv_all(fd, reply, sizeof reply);
+    struct timeval zero = {0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof zero);
+    if (rc < 0)
+        return -1;
+    return memcmp(reply, FMC_MAGIC_OK, 8) == 0 && fmc_get32(reply + 8) == 0 ? 0 : -2;
+}
+
+int fmc_peer_connect(fmc_peer *p, int timeout_ms)
+{
+    pthread_mutex_lock(&p->mu);
+    int busy = p->connected || p->closed;
+    p->connected = 1; /* claim: one connect per peer object */
+    pthread_mutex_unlock(&p->mu);
+    if (busy) {
+        fmc_set_error("peer %s:%d is already connected or closed", p->host, p->data_port);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    int64_t deadline = fmc_now_ms() + timeout_ms;
+    int fds[FMC_MAX_STREAMS];
+    int rc = FMC_OK;
+    int n = 0;
+    for (; n < p->nstreams; n++) {
+        int64_t left = deadline - fmc_now_ms();
+        int fd = left > 0 ? fmc_tcp_connect(p->host, p->data_port, (int)left) : FMC_ERR_TIMEOUT;
+        if (fd < 0) {
+            if (fd == FMC_ERR_TIMEOUT)
+                fmc_set_error("connecting to %s:%d timed out", p->host, p->data_port);
+            rc = fd;
+            break;
+        }
+        uint8_t hello[FMC_PREAMBLE_SIZE] = {0};
+        memcpy(hello, FMC_MAGIC_HELLO, 8);
+        fmc_put32(hello + 8, FMC_WIRE_VERSION);
+        left = deadline - fmc_now_ms();
+        int pr = -1;
+        if (left > 0 && fmc_send_all(fd, hello, sizeof hello) == 0)
+            pr = read_preamble_reply(fd, (int)(left > 0 ? left : 1));
+        if (pr != 0) {
+            close(fd);
+            fmc_set_error("data port %s:%d %s", p->host, p->data_port,
+                          pr == -2 ? "does not speak the flagcx_mc native protocol" : "did not answer the preamble in time");
+            rc = pr == -2 ? FMC_ERR_REMOTE_REFUSED : FMC_ERR_SOCKET;
+            break;
+        }
+        fds[n] = fd;
+    }
+    if (rc != FMC_OK) {
+        for (int i = 0; i < n; i++)
+            close(fds[i]);
+        return rc;
+    }
+    for (int i = 0; i < p->nstreams; i++) {
+        fmc_stream *st = &p->streams[i];
+        pthread_mutex_lock(&st->mu);
+        st->fd = fds[i];
+        st->dead = 0;
+        st->threads_alive = 2;
+        pthread_mutex_unlock(&st->mu);
+        if (pthread_create(&st->send_thread, NULL, fmc_stream_send_main, st) != 0) {
+            st->threads_alive = 0;
+            fmc_stream_kill(st);
+            continue;
+        }
+        if (pthread_create(&st->recv_thread, NULL, fmc_stream_recv_main, st) != 0) {
+            fmc_stream_kill(st);
+            pthread_join(st->send_thread, NULL);
+            st->threads_alive = 0;
+            continue;
+        }
+        st->started = 1;
+    }
+    return fmc_peer_is_healthy(p) ? FMC_OK : FMC_ERR_MEMORY;
+}
+
+int fmc_peer_is_healthy(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int ok = p->connected && !p->closed;
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; ok && i < p->nstreams; i++) {
+        pthread_mutex_lock(&p->streams[i].mu);
+        ok = !p->streams[i].dead;
+        pthread_mutex_unlock(&p->streams[i].mu);
+    }
+    return ok;
+}
+
+void fmc_peer_close(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int was_closed = p->closed;
+    p->closed = 1;
+    pthread_mutex_unlock(&p->mu);
+    if (was_closed)
+        return;
+    for (int i = 0; i < p->nstreams; i++) {
+        fmc_stream *st = &p->streams[i];
+        fmc_stream_kill(st);
+        if (st->started) {
+            pthread_join(st->send_thread, NULL);
+            pthread_join(st->recv_thread, NULL);
+        }
+        pthread_mutex_lock(&st->mu);
+        if (st->fd >= 0)
+            close(st->fd);
+        st->fd = -1;
+        pthread_mutex_unlock(&st->mu);
+    }
+}
+
+void fmc_peer_release(fmc_peer *p)
+{
+    if (!p || atomic_fetch_sub(&p->refs, 1) != 1)
+        return;
+    fmc_peer_close(p);
+    for (int i = 0; i < p->nstreams; i++) {
+        pthread_mutex_destroy(&p->streams[i].mu);
+        pthread_cond_destroy(&p->streams[i].cv);
+    }
+    pthread_mutex_destroy(&p->mu);
+    free(p->r_addr);
+    free(p->r_len);
+    free(p->r_key);
+    free(p);
+}

@@ -1,0 +1,126 @@
+/* Registered regions: a sorted, non-overlapping array searched by binary search.  Every access
+ * happens under engine->mu; regions are pinned (refs) while remote operations touch them, so
+ * that unregister can wait until nobody does. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+
+/* Index of the last region whose addr <= a, or -1. */
+static int floor_index(const fmc_registry *reg, uint64_t a)
+{
+    int lo = 0, hi = reg->count - 1, ans = -1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (reg->items[mid]->addr <= a) {
+            ans = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return ans;
+}
+
+fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len)
+{
+    if (len == 0 || addr + len < addr) /* empty or wraps around 2^64 */
+        return NULL;
+    int i = floor_index(reg, addr);
+    if (i < 0)
+        return NULL;
+    fmc_region *r = reg->items[i];
+    if (addr - r->addr > r->len || len > r->len - (addr - r->addr))
+        return NULL;
+    return r;
+}
+
+int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key)
+{
+    if (len == 0 || addr + len < addr) {
+        fmc_set_error("invalid region [0x%llx, +%llu)", (unsigned long long)addr,
+                      (unsigned long long)len);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    int i = floor_index(reg, addr + len - 1);
+    /* The candidate overlapping region is the one starting at or before the last byte. */
+    if (i >= 0 && reg->items[i]->addr + reg->items[i]->len > addr) {
+        fmc_set_error("region [0x%llx, +%llu) overlaps registered [0x%llx, +%llu)",
+                      (unsigned long long)addr, (unsigned long long)len,
+                      (unsigned long long)reg->items[i]->addr,
+                      (unsigned long long)reg->items[i]->len);
+        return FMC_ERR_ADDRESS_OVERLAPPED;
+    }
+    if (reg->count == reg->cap) {
+        int ncap = reg->cap ? reg->cap * 2 : 16;
+        fmc_region **n = realloc(reg->items, (size_t)ncap * sizeof *n);
+        if (!n)
+            return FMC_ERR_MEMORY;
+        reg->items = n;
+        reg->cap = ncap;
+    }
+    fmc_region *r = calloc(1, sizeof *r);
+    if (!r)
+        return FMC_ERR_MEMORY;
+    r->addr = addr;
+    r->len = len;
+    r->key = key;
+    int pos = i + 1;
+    memmove(reg->items + pos + 1, reg->items + pos, (size_t)(reg->count - pos) * sizeof *reg->items);
+    reg->items[pos] = r;
+    reg->count++;
+    return FMC_OK;
+}
+
+fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr)
+{
+    int i = floor_index(reg, addr);
+    if (i < 0 || reg->items[i]->addr != addr)
+        return NULL;
+    fmc_region *r = reg->items[i];
+    memmove(reg->items + i, reg->items + i + 1, (size_t)(reg->count - i - 1) * sizeof *reg->items);
+    reg->count--;
+    r->removed = 1;
+    return r;
+}
+
+void fmc_registry_free(fmc_registry *reg)
+{
+    for (int i = 0; i < reg->count; i++)
+        free(reg->items[i]);
+    free(reg->items);
+    reg->items = NULL;
+    reg->count = reg->cap = 0;
+}
+
+/* Refuse ranges that are not mapped in this process, so a bad pointer is an error code rather
+ * than a crash later.  mincore() fails with ENOMEM on any unmapped page and touches nothing. */
+int fmc_check_mapped(uint64_t addr, uint64_t len)
+{
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t start = addr & ~(page - 1);
+    uint64_t end = addr + len;
+    const uint64_t chunk_pages = 1u << 16;
+    unsigned char *vec = malloc(chunk_pages);
+    if (!vec)
+        return FMC_ERR_MEMORY;
+    int rc = FMC_OK;
+    while (start < end) {
+        uint64_t pages = (end - start + page - 1) / page;
+        if (pages > chunk_pages)
+            pages = chunk_pages;
+        if (mincore((void *)(uintptr_t)start, pages * page, vec) != 0) {
+            fmc_set_error("memory [0x%llx, +%llu) is not mapped in this process",
+                          (unsigned long long)addr, (unsigned long long)len);
+            rc = FMC_ERR_INVALID_ARGUMENT;
+            break;
+        }
+        start += pages * page;
+    }
+    free(vec);
+    return rc;
+}

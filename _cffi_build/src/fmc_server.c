@@ -1,0 +1,274 @@
+/* Target side of the native data plane: one accept thread, one thread per inbound connection.
+ * Every request is checked against the registry (range and key) before a byte is touched;
+ * writes go straight into registered memory and are answered after they land; reads are sent
+ * straight from registered memory.  Answers are gathered and flushed when the input runs dry. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+#include "fmc_wire.h"
+
+#define FMC_MAX_SERVER_CONNS 4096
+#define FMC_FLUSH_BYTES (4u << 20)
+#define FMC_PREAMBLE_TIMEOUT_MS 5000
+
+typedef struct {
+    fmc_engine *e;
+    fmc_server_conn *c;
+    fmc_reader rd;
+    struct iovec iov[FMC_IOV_MAX];
+    uint8_t hdr[FMC_IOV_MAX][FMC_RESP_SIZE];
+    int niov, nhdr;
+    size_t out_bytes;
+    fmc_region *read_pins[FMC_IOV_MAX];
+    int nread_pins;
+} conn_state;
+
+/* Pin the region that holds [addr, addr+len) under `key`, or return NULL. */
+static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, uint32_t key)
+{
+    fmc_engine *e = cs->e;
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = fmc_registry_find(&e->reg, addr, len);
+    if (r && (r->key != key || r->removed || cs->c->npins >= FMC_MAX_PINS))
+        r = NULL;
+    if (r) {
+        r->refs++;
+        cs->c->pins[cs->c->npins++] = r;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return r;
+}
+
+static void unpin_locked(fmc_engine *e, fmc_server_conn *c, fmc_region *r)
+{
+    for (int i = 0; i < c->npins; i++) {
+        if (c->pins[i] == r) {
+            c->pins[i] = c->pins[--c->npins];
+            break;
+        }
+    }
+    if (--r->refs == 0 && r->removed)
+        pthread_cond_broadcast(&e->cv);
+}
+
+static void unpin(conn_state *cs, fmc_region *r)
+{
+    pthread_mutex_lock(&cs->e->mu);
+    unpin_locked(cs->e, cs->c, r);
+    pthread_mutex_unlock(&cs->e->mu);
+}
+
+static int flush(conn_state *cs)
+{
+    int rc = 0;
+    if (cs->niov)
+        rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
+    if (cs->nread_pins) {
+        pthread_mutex_lock(&cs->e->mu);
+        for (int i = 0; i < cs->nread_pins; i++)
+            unpin_locked(cs->e, cs->c, cs->read_pins[i]);
+        pthread_mutex_unlock(&cs->e->mu);
+    }
+    cs->niov = cs->nhdr = cs->nread_pins = 0;
+    cs->out_bytes = 0;
+    return rc;
+}
+
+static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
+{
+    fmc_resp resp = {.id = id, .status = status, .len = data ? len : 0};
+    uint8_t *h = cs->hdr[cs->nhdr++];
+    fmc_resp_encode(h, &resp);
+    cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_RESP_SIZE};
+    cs->out_bytes += FMC_RESP_SIZE;
+    if (data) {
+        cs->iov[cs->niov++] = (struct iovec){.iov_base = data, .iov_len = (size_t)len};
+        cs->out_bytes += len;
+    }
+}
+
+static void refuse(conn_state *cs, const fmc_req *q)
+{
+    cs->e->stat_refused++;
+    fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key",
+                   q->opcode == FMC_WIRE_OP_WRITE ? "write" : "read", (unsigned long long)q->len,
+                   (unsigned long long)q->addr, q->key);
+}
+
+static int handshake(conn_state *cs)
+{
+    struct timeval tv = {.tv_sec = FMC_PREAMBLE_TIMEOUT_MS / 1000};
+    setsockopt(cs->c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (fmc_reader_fill(&cs->rd, FMC_PREAMBLE_SIZE) < 0)
+        return -1;
+    const uint8_t *p = cs->rd.buf + cs->rd.start;
+    uint32_t version = fmc_get32(p + 8);
+    cs->rd.start += FMC_PREAMBLE_SIZE;
+    uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
+    memcpy(reply, FMC_MAGIC_OK, 8);
+    int ok = memcmp(p, FMC_MAGIC_HELLO, 8) == 0 && version == FMC_WIRE_VERSION;
+    fmc_put32(reply + 8, (uint32_t)(ok ? 0 : FMC_ERR_REMOTE_REFUSED));
+    if (fmc_send_all(cs->c->fd, reply, sizeof reply) < 0 || !ok)
+        return -1;
+    tv.tv_sec = 0;
+    setsockopt(cs->c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return 0;
+}
+
+static void serve(conn_state *cs)
+{
+    fmc_engine *e = cs->e;
+    if (handshake(cs) < 0) {
+        e->stat_protocol_errors++;
+        return;
+    }
+    for (;;) {
+        if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
+            int more = fmc_reader_try_more(&cs->rd);
+            if (more < 0)
+                break;
+            if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
+                if (flush(cs) < 0 || fmc_reader_fill(&cs->rd, FMC_REQ_SIZE) < 0)
+                    break;
+            }
+        }
+        fmc_req q;
+        fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
+        cs->rd.start += FMC_REQ_SIZE;
+        if ((q.opcode != FMC_WIRE_OP_WRITE && q.opcode != FMC_WIRE_OP_READ) || q.len == 0 ||
+            q.len > FMC_MAX_WIRE_LEN) {
+            e->stat_protocol_errors++;
+            fmc_engine_log(e, "dropped a data connection: bad request header (opcode %u, length %llu)",
+                           q.opcode, (unsigned long long)q.len);
+            break;
+        }
+        fmc_region *r = pin(cs, q.addr, q.len, q.key);
+        if (q.opcode == FMC_WIRE_OP_WRITE) {
+            int rc;
+            if (r) {
+                rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
+                unpin(cs, r);
+                if (rc == 0)
+                    e->stat_served_in += q.len;
+            } else {
+                refuse(cs, &q);
+                rc = fmc_reader_skip(&cs->rd, (size_t)q.len);
+            }
+            if (rc < 0)
+                break;
+            queue_answer(cs, q.id, r ? FMC_OK : FMC_ERR_REMOTE_REFUSED, NULL, 0);
+        } else if (r) {
+            cs->read_pins[cs->nread_pins++] = r;
+            queue_answer(cs, q.id, FMC_OK, (void *)(uintptr_t)q.addr, q.len);
+            e->stat_served_out += q.len;
+        } else {
+            refuse(cs, &q);
+            queue_answer(cs, q.id, FMC_ERR_REMOTE_REFUSED, NULL, 0);
+        }
+        if (cs->niov + 2 > FMC_IOV_MAX || cs->out_bytes >= FMC_FLUSH_BYTES) {
+            if (flush(cs) < 0)
+                break;
+        }
+    }
+    cs->niov = 0; /* the connection is gone: drop unsent answers, release pins */
+    flush(cs);
+}
+
+static void *conn_main(void *arg)
+{
+    conn_state *cs = arg;
+    fmc_engine *e = cs->e;
+    serve(cs);
+    pthread_mutex_lock(&e->mu);
+    fmc_server_conn *c = cs->c;
+    while (c->npins > 0) /* a write pin left by a failed receive */
+        unpin_locked(e, c, c->pins[0]);
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        e->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    e->nconns--;
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    close(c->fd);
+    fmc_reader_free(&cs->rd);
+    free(c);
+    free(cs);
+    return NULL;
+}
+
+static void start_conn(fmc_engine *e, int fd)
+{
+    conn_state *cs = calloc(1, sizeof *cs);
+    fmc_server_conn *c = calloc(1, sizeof *c);
+    if (!cs || !c || fmc_reader_init(&cs->rd, fd, FMC_RBUF_SIZE) != 0) {
+        free(cs ? cs->rd.buf : NULL);
+        free(cs);
+        free(c);
+        close(fd);
+        return;
+    }
+    fmc_tune_socket(fd);
+    c->fd = fd;
+    cs->e = e;
+    cs->c = c;
+    pthread_mutex_lock(&e->mu);
+    if (e->stopping || e->nconns >= FMC_MAX_SERVER_CONNS) {
+        pthread_mutex_unlock(&e->mu);
+        fmc_engine_log(e, "refused a data connection: %s", e->stopping ? "engine closing" : "too many connections");
+        fmc_reader_free(&cs->rd);
+        free(cs);
+        free(c);
+        close(fd);
+        return;
+    }
+    c->next = e->conns;
+    if (e->conns)
+        e->conns->prev = c;
+    e->conns = c;
+    e->nconns++;
+    pthread_mutex_unlock(&e->mu);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256u << 10);
+    pthread_t t;
+    if (pthread_create(&t, &attr, conn_main, cs) != 0) {
+        /* Run the clean-up path without serving. */
+        shutdown(fd, SHUT_RDWR);
+        conn_main(cs);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+void *fmc_server_accept_main(void *arg)
+{
+    fmc_engine *e = arg;
+    for (;;) {
+        struct pollfd pfd[2] = {{.fd = e->listen_fd, .events = POLLIN}, {.fd = e->wake_pipe[0], .events = POLLIN}};
+        int n = poll(pfd, 2, 1000);
+        pthread_mutex_lock(&e->mu);
+        int stopping = e->stopping;
+        pthread_mutex_unlock(&e->mu);
+        if (stopping)
+            break;
+        if (n <= 0 || !(pfd[0].revents & POLLIN))
+            continue;
+        int fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE)
+                usleep(10000);
+            continue;
+        }
+        start_conn(e, fd);
+    }
+    return NULL;
+}

@@ -1,0 +1,332 @@
+/* Errors, clocks and socket helpers used by every other module. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+
+static __thread char fmc_errbuf[512];
+
+void fmc_set_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(fmc_errbuf, sizeof fmc_errbuf, fmt, ap);
+    va_end(ap);
+}
+
+const char *fmc_last_error(void) { return fmc_errbuf; }
+
+int64_t fmc_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += timeout_ms / 1000;
+    ts->tv_nsec += (timeout_ms % 1000) * 1000000;
+    if (ts->tv_nsec >= 1000000000) {
+        ts->tv_sec += 1;
+        ts->tv_nsec -= 1000000000;
+    }
+}
+
+void fmc_cond_init_monotonic(pthread_cond_t *cv)
+{
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
+/* ------------------------------------------------------------------ buffered reader */
+
+int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
+{
+    r->fd = fd;
+    r->cap = cap;
+    r->start = r->end = 0;
+    r->buf = malloc(cap);
+    return r->buf ? 0 : FMC_ERR_MEMORY;
+}
+
+void fmc_reader_free(fmc_reader *r)
+{
+    free(r->buf);
+    r->buf = NULL;
+}
+
+static void reader_compact(fmc_reader *r)
+{
+    if (r->start == 0)
+        return;
+    size_t n = r->end - r->start;
+    if (n)
+        memmove(r->buf, r->buf + r->start, n);
+    r->start = 0;
+    r->end = n;
+}
+
+int fmc_reader_fill(fmc_reader *r, size_t n)
+{
+    if (n > r->cap)
+        return -1;
+    if (r->end - r->start >= n)
+        return 0;
+    if (r->cap - r->start < n)
+        reader_compact(r);
+    while (r->end - r->start < n) {
+        ssize_t got = recv(r->fd, r->buf + r->end, r->cap - r->end, 0);
+        if (got > 0) {
+            r->end += (size_t)got;
+        } else if (got < 0 && errno == EINTR) {
+            continue;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int fmc_reader_try_more(fmc_reader *r)
+{
+    reader_compact(r);
+    if (r->end == r->cap)
+        return 1;
+    for (;;) {
+        ssize_t got = recv(r->fd, r->buf + r->end, r->cap - r->end, MSG_DONTWAIT);
+        if (got > 0) {
+            r->end += (size_t)got;
+            return 1;
+        }
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return 0;
+        return -1;
+    }
+}
+
+int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
+{
+    size_t have = r->end - r->start;
+    size_t take = have < n ? have : n;
+    if (take) {
+        memcpy(dst, r->buf + r->start, take);
+        r->start += take;
+    }
+    if (take == n)
+        return 0;
+    /* The rest is large or not here yet: read it straight into place. */
+    return fmc_recv_all(r->fd, (uint8_t *)dst + take, n - take);
+}
+
+int fmc_reader_skip(fmc_reader *r, size_t n)
+{
+    while (n) {
+        size_t have = r->end - r->start;
+        if (have == 0) {
+            r->start = r->end = 0;
+            ssize_t got = recv(r->fd, r->buf, r->cap, 0);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                return -1;
+            r->end = (size_t)got;
+            continue;
+        }
+        size_t take = have < n ? have : n;
+        r->start += take;
+        n -= take;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ blocking I/O */
+
+int fmc_send_all(int fd, const void *buf, size_t len)
+{
+    const uint8_t *p = buf;
+    while (len) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt)
+{
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    while (iovcnt > 0) {
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)iovcnt;
+        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        size_t left = (size_t)n;
+        while (iovcnt > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++;
+            iovcnt--;
+        }
+        if (iovcnt > 0 && left) {
+            iov->iov_base = (uint8_t *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+int fmc_recv_all(int fd, void *buf, size_t len)
+{
+    uint8_t *p = buf;
+    while (len) {
+        ssize_t n = recv(fd, p, len, MSG_WAITALL);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void fmc_tune_socket(int fd)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+static int random_port(int lo, int hi)
+{
+    uint32_t r = 0;
+    if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r)
+        r = (uint32_t)rand();
+    return lo + (int)(r % (uint32_t)(hi - lo + 1));
+}
+
+/* Bind a listening socket on host.  port_min == port_max == 0: the kernel chooses.  Otherwise up
+ * to 500 random ports in [port_min, port_max] are tried, as Mooncake does. */
+int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out)
+{
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    int rc = getaddrinfo(host && *host ? host : NULL, "0", &hints, &res);
+    if (rc != 0) {
+        fmc_set_error("cannot resolve bind address '%s': %s", host ? host : "", gai_strerror(rc));
+        return FMC_ERR_DNS;
+    }
+    int attempts = (port_min == 0 && port_max == 0) ? 1 : 500;
+    int last_errno = 0;
+    for (int i = 0; i < attempts; i++) {
+        int port = (port_min == 0 && port_max == 0) ? 0 : random_port(port_min, port_max);
+        for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+            int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+            if (fd < 0) {
+                last_errno = errno;
+                continue;
+            }
+            int one = 1;
+            setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+            if (ai->ai_family == AF_INET6)
+                ((struct sockaddr_in6 *)ai->ai_addr)->sin6_port = htons((uint16_t)port);
+            else
+                ((struct sockaddr_in *)ai->ai_addr)->sin_port = htons((uint16_t)port);
+            if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
+                struct sockaddr_storage ss;
+                socklen_t sl = sizeof ss;
+                getsockname(fd, (struct sockaddr *)&ss, &sl);
+                *port_out = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                                     : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+                freeaddrinfo(res);
+                return fd;
+            }
+            last_errno = errno;
+            close(fd);
+        }
+    }
+    freeaddrinfo(res);
+    fmc_set_error("cannot bind a data port on '%s' in [%d, %d]: %s", host ? host : "", port_min,
+                  port_max, strerror(last_errno));
+    return FMC_ERR_SOCKET;
+}
+
+/* Connect with a bounded wait; returns a blocking socket or a negative code. */
+int fmc_tcp_connect(const char *host, int port, int timeout_ms)
+{
+    struct addrinfo hints, *res = NULL;
+    char service[16];
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    snprintf(service, sizeof service, "%d", port);
+    int rc = getaddrinfo(host, service, &hints, &res);
+    if (rc != 0) {
+        fmc_set_error("cannot resolve '%s': %s", host, gai_strerror(rc));
+        return FMC_ERR_DNS;
+    }
+    int64_t deadline = fmc_now_ms() + timeout_ms;
+    int err = ETIMEDOUT;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+        if (fd < 0) {
+            err = errno;
+            continue;
+        }
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
+            err = errno;
+            close(fd);
+            continue;
+        }
+        struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+        int64_t left = deadline - fmc_now_ms();
+        int pr = left > 0 ? poll(&pfd, 1, (int)left) : 0;
+        int soerr = 0;
+        socklen_t sl = sizeof soerr;
+        if (pr == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr == 0) {
+            int flags = fcntl(fd, F_GETFL);
+            fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+            fmc_tune_socket(fd);
+            freeaddrinfo(res);
+            return fd;
+        }
+        err = pr == 1 ? soerr : ETIMEDOUT;
+        close(fd);
+    }
+    freeaddrinfo(res);
+    fmc_set_error("cannot connect to %s:%d: %s", host, port, strerror(err));
+    return err == ETIMEDOUT ? FMC_ERR_TIMEOUT : FMC_ERR_SOCKET;
+}

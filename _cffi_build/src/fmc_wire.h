@@ -1,0 +1,92 @@
+/* Native data-plane framing (all integers little-endian).
+ *
+ * A connection starts with a 16-byte preamble from the initiator:
+ *     char magic[8] = "FMCNATV1"; u32 version; u32 flags
+ * and the target answers 16 bytes:
+ *     char magic[8] = "FMCNATOK"; i32 status; u32 reserved
+ * The magic read as a Mooncake TCP header `size` would be ~3.5e18 bytes, so a server can tell a
+ * native peer from a Mooncake peer by its first 8 bytes.
+ *
+ * Then any number of requests, pipelined:
+ *     u8 opcode (1 write, 2 read); u8 flags; u16 reserved; u32 key; u64 id; u64 addr; u64 len
+ * followed, for a write, by `len` payload bytes.  The target answers every request, in order:
+ *     u64 id; i32 status; u32 reserved; u64 len
+ * followed, for a successful read, by `len` bytes.  A write is answered only after its bytes are
+ * in the target's memory. */
+#ifndef FMC_WIRE_H
+#define FMC_WIRE_H
+
+#include <endian.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FMC_PREAMBLE_SIZE 16
+#define FMC_REQ_SIZE 32
+#define FMC_RESP_SIZE 24
+#define FMC_WIRE_VERSION 1u
+#define FMC_WIRE_OP_WRITE 1
+#define FMC_WIRE_OP_READ 2
+/* Largest slice a target accepts in one request; larger requests are a protocol error. */
+#define FMC_MAX_WIRE_LEN (64ull << 20)
+
+static const char FMC_MAGIC_HELLO[8] = {'F', 'M', 'C', 'N', 'A', 'T', 'V', '1'};
+static const char FMC_MAGIC_OK[8] = {'F', 'M', 'C', 'N', 'A', 'T', 'O', 'K'};
+
+typedef struct {
+    uint8_t opcode;
+    uint8_t flags;
+    uint32_t key;
+    uint64_t id;
+    uint64_t addr;
+    uint64_t len;
+} fmc_req;
+
+typedef struct {
+    uint64_t id;
+    int32_t status;
+    uint64_t len;
+} fmc_resp;
+
+static inline void fmc_put64(uint8_t *p, uint64_t v) { v = htole64(v); memcpy(p, &v, 8); }
+static inline void fmc_put32(uint8_t *p, uint32_t v) { v = htole32(v); memcpy(p, &v, 4); }
+static inline uint64_t fmc_get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return le64toh(v); }
+static inline uint32_t fmc_get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return le32toh(v); }
+
+static inline void fmc_req_encode(uint8_t out[FMC_REQ_SIZE], const fmc_req *r)
+{
+    out[0] = r->opcode;
+    out[1] = r->flags;
+    out[2] = 0;
+    out[3] = 0;
+    fmc_put32(out + 4, r->key);
+    fmc_put64(out + 8, r->id);
+    fmc_put64(out + 16, r->addr);
+    fmc_put64(out + 24, r->len);
+}
+
+static inline void fmc_req_decode(const uint8_t in[FMC_REQ_SIZE], fmc_req *r)
+{
+    r->opcode = in[0];
+    r->flags = in[1];
+    r->key = fmc_get32(in + 4);
+    r->id = fmc_get64(in + 8);
+    r->addr = fmc_get64(in + 16);
+    r->len = fmc_get64(in + 24);
+}
+
+static inline void fmc_resp_encode(uint8_t out[FMC_RESP_SIZE], const fmc_resp *r)
+{
+    fmc_put64(out, r->id);
+    fmc_put32(out + 8, (uint32_t)r->status);
+    fmc_put32(out + 12, 0);
+    fmc_put64(out + 16, r->len);
+}
+
+static inline void fmc_resp_decode(const uint8_t in[FMC_RESP_SIZE], fmc_resp *r)
+{
+    r->id = fmc_get64(in);
+    r->status = (int32_t)fmc_get32(in + 8);
+    r->len = fmc_get64(in + 16);
+}
+
+#endif

@@ -1,0 +1,192 @@
+"""The only importer of the compiled C core: thin wrappers that convert arguments and codes.
+
+Every call into ``lib`` releases the GIL (cffi does so for each call), so the blocking calls here
+(``CorePeer.connect``, ``CorePeer.transfer``, ``CoreBatch.wait``) may run in any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import List, Sequence, Tuple
+
+from . import errors
+from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
+
+__all__ = ["CoreEngine", "CorePeer", "CoreBatch", "OP_READ", "OP_WRITE", "core_version", "last_error", "u64_array"]
+
+log = logging.getLogger("flagcx_mc.core")
+
+OP_READ: int = lib.FMC_OP_READ
+OP_WRITE: int = lib.FMC_OP_WRITE
+TASK_PENDING: int = lib.FMC_TASK_PENDING
+_U64_MAX = (1 << 64) - 1
+
+
+def core_version() -> str:
+    """Version string baked into the C module at build time."""
+    return ffi.string(lib.fmc_version()).decode()
+
+
+def last_error() -> str:
+    """The message of the last failing core call in this thread."""
+    return ffi.string(lib.fmc_last_error()).decode(errors="replace")
+
+
+def _raise_for(rc: int, context: str = "") -> None:
+    if rc < 0:
+        message = last_error()
+        if context:
+            message = f"{context}: {message}" if message else context
+        raise errors.error_for_code(rc, message)
+
+
+def u64_array(values: Sequence[int], what: str):
+    """Copy a sequence of Python ints into a C ``uint64_t[]`` (rejecting negatives, bools, floats)."""
+    try:
+        ints = [operator.index(v) for v in values if not isinstance(v, bool)]
+    except TypeError as exc:
+        raise errors.InvalidArgumentError(f"{what} must be integers ({exc})") from None
+    if len(ints) != len(values):
+        raise errors.InvalidArgumentError(f"{what} must be integers, not booleans")
+    try:
+        return ffi.new("uint64_t[]", ints or [0])
+    except OverflowError:
+        raise errors.InvalidArgumentError(f"{what} must lie in [0, 2**64)") from None
+
+
+class CoreEngine:
+    """One engine of the C core: its registry and its data listener."""
+
+    def __init__(self, bind_host: str, port_min: int = 0, port_max: int = 0) -> None:
+        out = ffi.new("fmc_engine **")
+        rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, out)
+        _raise_for(rc, f"cannot start the data listener on {bind_host}")
+        self._ptr = out[0]
+
+    @property
+    def data_port(self) -> int:
+        return int(lib.fmc_engine_data_port(self._ptr))
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    def register(self, addr: int, length: int) -> int:
+        """Register [addr, addr+length); returns the region's random 32-bit key."""
+        if not (0 <= addr <= _U64_MAX and 0 <= length <= _U64_MAX):
+            raise errors.InvalidArgumentError(f"address/length out of range: {addr:#x}, {length}")
+        key = ffi.new("uint32_t *")
+        _raise_for(lib.fmc_register(self._ptr, addr, length, key))
+        return int(key[0])
+
+    def unregister(self, addr: int) -> None:
+        if not 0 <= addr <= _U64_MAX:
+            raise errors.InvalidArgumentError(f"address out of range: {addr:#x}")
+        _raise_for(lib.fmc_unregister(self._ptr, addr))
+
+    def region_table(self) -> List[Tuple[int, int, int]]:
+        """The registered regions as (addr, length, key), sorted by address."""
+        cap = 64
+        while True:
+            addrs = ffi.new("uint64_t[]", cap)
+            lens = ffi.new("uint64_t[]", cap)
+            keys = ffi.new("uint32_t[]", cap)
+            n = lib.fmc_region_table(self._ptr, addrs, lens, keys, cap)
+            if n <= cap:
+                return [(int(addrs[i]), int(lens[i]), int(keys[i])) for i in range(n)]
+            cap = n * 2
+
+    def stats(self) -> dict:
+        s = ffi.new("fmc_stats *")
+        lib.fmc_engine_get_stats(self._ptr, s)
+        return {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
+
+    def drain_log(self) -> List[str]:
+        """Messages the C threads left (refused requests, dropped connections)."""
+        buf = ffi.new("char[]", 8192)
+        n = lib.fmc_engine_drain_log(self._ptr, buf, 8192)
+        if n <= 0:
+            return []
+        return ffi.unpack(buf, n).decode(errors="replace").splitlines()
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            for line in self.drain_log():
+                log.warning("%s", line)
+            lib.fmc_engine_destroy(self._ptr)
+            self._ptr = None
+
+
+class CorePeer:
+    """A remote engine as the core sees it: region table plus connected data streams."""
+
+    def __init__(self, engine: CoreEngine, host: str, data_port: int, streams: int, slice_size: int) -> None:
+        out = ffi.new("fmc_peer **")
+        rc = lib.fmc_peer_create(engine.ptr, host.encode(), data_port, streams, slice_size, out)
+        _raise_for(rc)
+        self._ptr = ffi.gc(out[0], lib.fmc_peer_release)
+        self.host = host
+        self.data_port = data_port
+
+    def set_regions(self, regions: Sequence[Tuple[int, int, int]]) -> None:
+        n = len(regions)
+        addrs = ffi.new("uint64_t[]", [r[0] for r in regions] or [0])
+        lens = ffi.new("uint64_t[]", [r[1] for r in regions] or [0])
+        keys = ffi.new("uint32_t[]", [r[2] for r in regions] or [0])
+        _raise_for(lib.fmc_peer_set_regions(self._ptr, addrs, lens, keys, n))
+
+    def find_region(self, addr: int, length: int) -> Tuple[int, int]:
+        """Return (region base, key) of the remote region that wholly holds the range."""
+        base = ffi.new("uint64_t *")
+        key = ffi.new("uint32_t *")
+        rc = lib.fmc_peer_find_region(self._ptr, addr, length, base, key)
+        if rc < 0:
+            raise errors.AddressNotRegisteredError(
+                f"[{addr:#x}, +{length}) is not inside one region registered by {self.host}"
+            )
+        return int(base[0]), int(key[0])
+
+    def connect(self, timeout_ms: int) -> None:
+        """Open every data stream (blocking; run it off the event loop)."""
+        _raise_for(lib.fmc_peer_connect(self._ptr, max(1, int(timeout_ms))))
+
+    @property
+    def healthy(self) -> bool:
+        return bool(lib.fmc_peer_is_healthy(self._ptr))
+
+    def transfer(self, opcode: int, n: int, local, remote, lens, timeout_ms: int) -> Tuple[int, str]:
+        """Submit and wait in one core call (GIL released); returns (rc, reason)."""
+        rc = lib.fmc_transfer(self._ptr, opcode, n, local, remote, lens, int(timeout_ms))
+        return rc, (last_error() if rc < 0 else "")
+
+    def submit(self, opcode: int, n: int, local, remote, lens) -> "CoreBatch":
+        out = ffi.new("fmc_batch **")
+        _raise_for(lib.fmc_batch_submit(self._ptr, opcode, n, local, remote, lens, out))
+        return CoreBatch(out[0], n, (local, remote, lens))
+
+    def close(self) -> None:
+        lib.fmc_peer_close(self._ptr)
+
+
+class CoreBatch:
+    """An asynchronous batch; freeing it cancels whatever is still in flight."""
+
+    def __init__(self, ptr, ntasks: int, keepalive) -> None:
+        self._ptr = ffi.gc(ptr, lib.fmc_batch_free)
+        self.ntasks = ntasks
+        self._keepalive = keepalive  # the C arrays must outlive submission
+
+    def wait(self, timeout_ms: int) -> Tuple[int, str]:
+        rc = lib.fmc_batch_wait(self._ptr, int(timeout_ms))
+        return rc, (last_error() if rc < 0 else "")
+
+    def poll(self) -> int:
+        """1 done, 0 in progress, negative: failed with that code."""
+        return int(lib.fmc_batch_poll(self._ptr))
+
+    def task_status(self, index: int) -> int:
+        return int(lib.fmc_batch_task_status(self._ptr, index))
+
+    def cancel(self) -> None:
+        lib.fmc_batch_cancel(self._ptr)

@@ -1,0 +1,79 @@
+"""Page-aligned host buffers with a stable address, for examples, tests and the benchmark.
+
+Transfers take raw addresses (as Mooncake's API does); this gives Python code memory whose
+address it can hand out, fill with random bytes and checksum without copying through Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+
+__all__ = ["HostBuffer"]
+
+
+class HostBuffer:
+    """Anonymous private memory, touched once so that its pages exist (`populate`)."""
+
+    def __init__(self, size: int, *, populate: bool = True) -> None:
+        if size <= 0:
+            raise ValueError("size must be positive")
+        self.size = size
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._cview = (ctypes.c_char * size).from_buffer(self._map)
+        self.addr = ctypes.addressof(self._cview)
+        if populate:
+            ctypes.memset(self.addr, 0, size)
+
+    @property
+    def view(self) -> memoryview:
+        """A writable view (no copy)."""
+        return memoryview(self._map)
+
+    def fill_random(self, offset: int = 0, length: int | None = None) -> str:
+        """Fill a range with random bytes; returns its sha256 hex digest."""
+        length = self.size - offset if length is None else length
+        self._check(offset, length)
+        chunk = 1 << 22
+        for pos in range(offset, offset + length, chunk):
+            n = min(chunk, offset + length - pos)
+            self._map[pos : pos + n] = os.urandom(n)
+        return self.digest(offset, length)
+
+    def fill(self, byte: int, offset: int = 0, length: int | None = None) -> None:
+        length = self.size - offset if length is None else length
+        self._check(offset, length)
+        ctypes.memset(self.addr + offset, byte, length)
+
+    def digest(self, offset: int = 0, length: int | None = None) -> str:
+        """sha256 of a range, hashed from the memory in place."""
+        length = self.size - offset if length is None else length
+        self._check(offset, length)
+        return hashlib.sha256(self.view[offset : offset + length]).hexdigest()
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._check(offset, length)
+        return bytes(self._map[offset : offset + length])
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._check(offset, len(data))
+        self._map[offset : offset + len(data)] = data
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"range [{offset}, +{length}) outside buffer of {self.size} bytes")
+
+    def close(self) -> None:
+        """Unmap (only once no transfer uses the buffer)."""
+        if self._map is not None:
+            del self._cview
+            self._map.close()
+            self._map = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,77 @@
+"""Engine settings: defaults, Mooncake's environment variables, and our own overrides.
+
+Mooncake's ``MC_TRANSFER_TIMEOUT`` is honoured as Mooncake reads it (seconds, at least 5,
+default 30, plus one nanosecond per byte moved).  ``FLAGCX_MC_*`` variables tune what Mooncake
+has no knob for; keyword arguments to the engines win over both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+__all__ = ["EngineConfig", "mooncake_transfer_timeout"]
+
+log = logging.getLogger("flagcx_mc.config")
+
+
+def _env_number(name: str, kind=float) -> Optional[float]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        log.warning("ignoring %s=%r: not a number", name, raw)
+        return None
+
+
+def mooncake_transfer_timeout() -> float:
+    """Seconds, as Mooncake derives it from MC_TRANSFER_TIMEOUT: max(5, value), default 30."""
+    value = _env_number("MC_TRANSFER_TIMEOUT", int)
+    return float(max(5, value)) if value is not None else 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine; ``from_env`` applies the environment, then keyword overrides."""
+
+    transfer_timeout: float = 30.0       # seconds, before the per-byte allowance
+    handshake_timeout: float = 5.0       # seconds for one handshake round trip or data connect
+    streams_per_peer: int = 4            # data connections per peer
+    slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
+    wait_threads: int = 64               # executor threads that wait for completions (async API)
+
+    @classmethod
+    def from_env(cls, **overrides) -> "EngineConfig":
+        values = dict(transfer_timeout=mooncake_transfer_timeout())
+        own = {
+            "transfer_timeout": _env_number("FLAGCX_MC_TRANSFER_TIMEOUT"),
+            "handshake_timeout": _env_number("FLAGCX_MC_HANDSHAKE_TIMEOUT"),
+            "streams_per_peer": _env_number("FLAGCX_MC_STREAMS", int),
+            "slice_size": _env_number("FLAGCX_MC_SLICE_SIZE", int),
+            "wait_threads": _env_number("FLAGCX_MC_WAIT_THREADS", int),
+        }
+        values.update({k: v for k, v in own.items() if v is not None})
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        from .errors import InvalidArgumentError
+
+        if not self.transfer_timeout > 0 or not self.handshake_timeout > 0:
+            raise InvalidArgumentError("timeouts must be positive")
+        if not 1 <= self.streams_per_peer <= 64:
+            raise InvalidArgumentError("streams_per_peer must be in 1..64")
+        if not (4 << 10) <= self.slice_size <= (64 << 20):
+            raise InvalidArgumentError("slice_size must be in [4 KiB, 64 MiB]")
+        if self.wait_threads < 1:
+            raise InvalidArgumentError("wait_threads must be positive")
+
+    def timeout_for(self, total_bytes: int) -> float:
+        """Deadline of one transfer call: Mooncake's timeout plus 1 ns per byte."""
+        return self.transfer_timeout + total_bytes * 1e-9

@@ -1,0 +1,214 @@
+"""A remote-controlled engine process: the far end for the demo, the benchmark and the tests.
+
+``python -m flagcx_mc.node`` reads one JSON command per line on stdin and answers one JSON line
+on stdout.  It owns host buffers (each wrapped in guard bytes, so tests can prove that nothing
+was written outside a registered region), registers them, checksums them, and can itself start
+transfers.  ``NodeProcess`` is the parent's side: it starts the child, sends commands with a
+deadline, and always reaps the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from .buffers import HostBuffer
+
+__all__ = ["NodeProcess", "GUARD_BYTES", "GUARD_VALUE"]
+
+GUARD_BYTES = 4096
+GUARD_VALUE = 0xA5
+
+
+class _Region:
+    def __init__(self, size: int) -> None:
+        self.buf = HostBuffer(size + 2 * GUARD_BYTES)
+        self.buf.fill(GUARD_VALUE, 0, GUARD_BYTES)
+        self.buf.fill(GUARD_VALUE, GUARD_BYTES + size, GUARD_BYTES)
+        self.addr = self.buf.addr + GUARD_BYTES
+        self.size = size
+
+    def guards_intact(self) -> bool:
+        expected = bytes([GUARD_VALUE]) * GUARD_BYTES
+        return (self.buf.read(0, GUARD_BYTES) == expected and
+                self.buf.read(GUARD_BYTES + self.size, GUARD_BYTES) == expected)
+
+
+class _Node:
+    """Command handlers of the child process."""
+
+    def __init__(self) -> None:
+        from .sync import TransferEngine
+
+        self.engine_cls = TransferEngine
+        self.engine: Optional[Any] = None
+        self.regions: List[_Region] = []
+
+    def init(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None) -> dict:
+        self.engine = self.engine_cls(**(config or {}))
+        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("initialize failed")
+        for size in regions:
+            self.add_region(size)
+        return {"session": self.engine.session_name, "pid": os.getpid(),
+                "regions": [[r.addr, r.size] for r in self.regions]}
+
+    def add_region(self, size: int, register: bool = True) -> dict:
+        region = _Region(size)
+        if register:
+            rc = self.engine.register_memory(region.addr, size)
+            if rc != 0:
+                raise RuntimeError(f"register_memory returned {rc}")
+        self.regions.append(region)
+        return {"index": len(self.regions) - 1, "addr": region.addr, "size": size}
+
+    def unregister(self, region: int) -> dict:
+        return {"rc": self.engine.unregister_memory(self.regions[region].addr)}
+
+    def fill(self, region: int, offset: int = 0, length: Optional[int] = None) -> dict:
+        r = self.regions[region]
+        length = r.size - offset if length is None else length
+        return {"digest": r.buf.fill_random(GUARD_BYTES + offset, length)}
+
+    def set(self, region: int, byte: int, offset: int = 0, length: Optional[int] = None) -> dict:
+        r = self.regions[region]
+        length = r.size - offset if length is None else length
+        r.buf.fill(byte, GUARD_BYTES + offset, length)
+        return {}
+
+    def digest(self, region: int, offset: int = 0, length: Optional[int] = None) -> dict:
+        r = self.regions[region]
+        length = r.size - offset if length is None else length
+        return {"digest": r.buf.digest(GUARD_BYTES + offset, length)}
+
+    def count_byte(self, region: int, byte: int) -> dict:
+        """How many bytes of the region equal ``byte`` (to spot late writes of a known pattern)."""
+        r = self.regions[region]
+        return {"count": r.buf.view[GUARD_BYTES:GUARD_BYTES + r.size].tobytes().count(bytes([byte]))}
+
+    def guards(self) -> dict:
+        return {"intact": all(r.guards_intact() for r in self.regions)}
+
+    def transfer(self, op: str, target: str, items: List[List[int]]) -> dict:
+        """items: [region, offset, remote_addr, length] each."""
+        local = [self.regions[i].addr + off for i, off, _, _ in items]
+        remote = [ra for _, _, ra, _ in items]
+        lens = [n for _, _, _, n in items]
+        fn = self.engine.batch_transfer_sync_write if op == "write" else self.engine.batch_transfer_sync_read
+        t0 = time.perf_counter()
+        rc = fn(target, local, remote, lens)
+        return {"rc": rc, "seconds": time.perf_counter() - t0}
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def exit(self) -> dict:
+        if self.engine is not None:
+            self.engine.close()
+        return {}
+
+
+_COMMANDS = frozenset({"init", "add_region", "unregister", "fill", "set", "digest", "count_byte", "guards", "transfer",
+                       "stats", "exit"})
+
+
+def _serve() -> None:
+    node = _Node()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # only replies go to the real stdout
+    for line in sys.stdin:
+        try:
+            msg = json.loads(line)
+            cmd = msg.pop("cmd")
+            if cmd not in _COMMANDS:
+                raise ValueError(f"unknown command {cmd!r}")
+            reply = getattr(node, cmd)(**msg)
+        except Exception as exc:  # the reply carries it; the parent decides
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+            cmd = None
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+        if cmd == "exit":
+            return
+
+
+class NodeError(RuntimeError):
+    """The node answered with an error, died, or did not answer in time."""
+
+
+class NodeProcess:
+    """Parent side of a node: start it, send commands, reap it."""
+
+    def __init__(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
+                 env: Optional[Dict[str, str]] = None, start_timeout: float = 30.0,
+                 argv_prefix: Optional[List[str]] = None) -> None:
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        self.proc = subprocess.Popen(
+            list(argv_prefix or []) + [sys.executable, "-m", "flagcx_mc.node"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env, text=True, bufsize=1,
+        )
+        try:
+            info = self.call("init", timeout=start_timeout, host=host, regions=list(regions), config=config)
+        except BaseException:
+            self.kill()
+            raise
+        self.session: str = info["session"]
+        self.pid: int = info["pid"]
+        self.regions: List[List[int]] = info["regions"]
+
+    def call(self, cmd: str, timeout: float = 60.0, **kwargs: Any) -> dict:
+        if self.proc.poll() is not None:
+            raise NodeError(f"node exited with {self.proc.returncode}")
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise NodeError(f"node did not answer {cmd!r} within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise NodeError(f"node exited while answering {cmd!r} (code {self.proc.wait(5)})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise NodeError(f"{cmd}: {reply['error']}")
+        return reply
+
+    def addr(self, region: int, offset: int = 0) -> int:
+        return self.regions[region][0] + offset
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the node to exit; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.call("exit", timeout=timeout)
+                self.proc.wait(timeout)
+            except (NodeError, OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(10)
+        finally:
+            for stream in (self.proc.stdin, self.proc.stdout):
+                try:
+                    stream.close()
+                except (OSError, ValueError):
+                    pass
+
+    def __enter__(self) -> "NodeProcess":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    _serve()

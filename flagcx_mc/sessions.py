@@ -1,0 +1,150 @@
+"""Session cache keyed ``"host:port"``: one handshake per peer, shared by every caller.
+
+The first transfer to a session fetches the peer's segment descriptor (P2PHANDSHAKE Metadata)
+and opens its data streams; concurrent first transfers await the same task; different peers
+handshake concurrently.  A broken session is evicted and re-opened on next use; ``refresh``
+re-reads the peer's region table (memory it registered after first contact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+from . import errors
+from ._core import CoreEngine, CorePeer
+from .config import EngineConfig
+from .handshake.codec import MessageType
+from .handshake.server import request
+from .metadata import SegmentDesc
+from .netaddr import parse_host_port
+
+__all__ = ["Session", "SessionCache"]
+
+log = logging.getLogger("flagcx_mc.sessions")
+
+
+@dataclass
+class Session:
+    """An open session: the peer's descriptor and the core's connected peer."""
+
+    name: str
+    host: str
+    rpc_port: int
+    desc: SegmentDesc
+    peer: CorePeer
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+class SessionCache:
+    """Open sessions of one engine; lives on the engine's event loop."""
+
+    def __init__(
+        self,
+        core: CoreEngine,
+        config: EngineConfig,
+        executor: Executor,
+        local_desc: Callable[[], dict],
+    ) -> None:
+        self._core = core
+        self._config = config
+        self._executor = executor
+        self._local_desc = local_desc
+        self._open: Dict[str, Session] = {}
+        self._opening: Dict[str, asyncio.Task] = {}
+        self._refreshing: Dict[str, asyncio.Task] = {}
+
+    def peek(self, name: str) -> Optional[Session]:
+        """The open, healthy session for ``name`` or None; safe from any thread."""
+        session = self._open.get(name)
+        if session is not None and session.peer.healthy:
+            return session
+        return None
+
+    async def get(self, name: str) -> Session:
+        """Return the open session, handshaking first if needed (once for concurrent callers)."""
+        session = self._open.get(name)
+        if session is not None:
+            if session.peer.healthy:
+                return session
+            self.evict(name, session, "its data connection is down")
+        task = self._opening.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._open_session(name))
+            self._opening[name] = task
+            task.add_done_callback(lambda t, n=name: self._opening.pop(n, None) if self._opening.get(n) is t else None)
+        return await asyncio.shield(task)
+
+    async def refresh(self, name: str, stale: Session) -> Session:
+        """Re-read the peer's region table; re-open the session if the peer restarted."""
+        if self._open.get(name) is not stale:
+            return await self.get(name)
+        task = self._refreshing.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._refresh(name, stale))
+            self._refreshing[name] = task
+            task.add_done_callback(lambda t, n=name: self._refreshing.pop(n, None))
+        return await asyncio.shield(task)
+
+    def evict(self, name: str, session: Session, reason: str) -> None:
+        """Drop a failed session; the next call to ``get`` opens a new one."""
+        if self._open.get(name) is session:
+            del self._open[name]
+            log.warning("session %s evicted: %s", name, reason)
+        session.close()
+
+    async def close(self) -> None:
+        for task in list(self._opening.values()) + list(self._refreshing.values()):
+            task.cancel()
+        for name, session in list(self._open.items()):
+            session.close()
+        self._open.clear()
+
+    async def _fetch_desc(self, host: str, port: int, name: str) -> SegmentDesc:
+        reply = await request(
+            host, port, MessageType.METADATA, self._local_desc(), timeout=self._config.handshake_timeout
+        )
+        desc = SegmentDesc.from_json_dict(reply)
+        if desc.native is None:
+            raise errors.NotSupportedError(
+                f"{name} is not a flagcx_mc engine (protocol {desc.protocol!r}); this build talks only to flagcx_mc peers"
+            )
+        return desc
+
+    async def _open_session(self, name: str) -> Session:
+        try:
+            host, port = parse_host_port(name)
+        except errors.FlagcxMcError as exc:
+            raise errors.InvalidArgumentError(f"bad session name {name!r}: {exc}") from None
+        desc = await self._fetch_desc(host, port, name)
+        peer = self._new_peer(host, desc)
+        loop = asyncio.get_running_loop()
+        timeout_ms = int(self._config.handshake_timeout * 1000)
+        await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+        session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer)
+        self._open[name] = session
+        log.debug("session %s open: %d regions, data port %d", name, len(desc.native.regions), desc.native.data_port)
+        return session
+
+    def _new_peer(self, host: str, desc: SegmentDesc) -> CorePeer:
+        assert desc.native is not None
+        peer = CorePeer(
+            self._core, host, desc.native.data_port, self._config.streams_per_peer, self._config.slice_size
+        )
+        peer.set_regions([(r.addr, r.length, r.key) for r in desc.native.regions])
+        return peer
+
+    async def _refresh(self, name: str, stale: Session) -> Session:
+        desc = await self._fetch_desc(stale.host, stale.rpc_port, name)
+        assert desc.native is not None and stale.desc.native is not None
+        if desc.native.data_port != stale.desc.native.data_port or desc.native.pid != stale.desc.native.pid:
+            self.evict(name, stale, "the peer restarted")
+            return await self.get(name)
+        stale.peer.set_regions([(r.addr, r.length, r.key) for r in desc.native.regions])
+        stale.desc = desc
+        return stale

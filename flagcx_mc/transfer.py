@@ -1,0 +1,63 @@
+"""One transfer call, validated once and runnable from any thread, shared by both facades."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, Tuple
+
+from . import errors
+from ._core import OP_READ, OP_WRITE, u64_array
+from .config import EngineConfig
+
+__all__ = ["TransferRequest", "needs_refresh", "OP_READ", "OP_WRITE"]
+
+# Codes after which the peer's region table may simply be stale: re-read it once and retry.
+_REFRESH_CODES = frozenset({errors.AddressNotRegisteredError.code, errors.RemoteRefusedError.code})
+
+
+def needs_refresh(rc: int) -> bool:
+    return rc in _REFRESH_CODES
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """(local, remote, length) triplets converted to C arrays, plus what the deadline needs."""
+
+    opcode: int
+    count: int
+    total_bytes: int
+    local: Any
+    remote: Any
+    lengths: Any
+
+    @classmethod
+    def build(
+        cls, opcode: int, buffers: Sequence[int], peer_addresses: Sequence[int], lengths: Sequence[int]
+    ) -> "TransferRequest":
+        """Validate the three lists (same length, unsigned 64-bit ints) and pack them."""
+        try:
+            n = len(buffers)
+            if len(peer_addresses) != n or len(lengths) != n:
+                raise errors.InvalidArgumentError(
+                    f"buffers, peer addresses and lengths differ in length ({n}, {len(peer_addresses)}, {len(lengths)})"
+                )
+        except TypeError:
+            raise errors.InvalidArgumentError("buffers, peer addresses and lengths must be sequences") from None
+        local = u64_array(buffers, "buffers")
+        remote = u64_array(peer_addresses, "peer buffer addresses")
+        lens = u64_array(lengths, "lengths")
+        total = sum(lens[i] for i in range(n))
+        return cls(opcode, n, total, local, remote, lens)
+
+    @classmethod
+    def single(cls, opcode: int, buffer: int, peer_address: int, length: int) -> "TransferRequest":
+        return cls.build(opcode, [buffer], [peer_address], [length])
+
+    def run(self, session, config: EngineConfig) -> Tuple[int, str]:
+        """Move the bytes (blocking, GIL released); returns (rc, reason)."""
+        timeout_ms = int(config.timeout_for(self.total_bytes) * 1000)
+        return session.peer.transfer(self.opcode, self.count, self.local, self.remote, self.lengths, timeout_ms)
+
+
+def opcode_name(opcode: int) -> str:
+    return "write" if opcode == OP_WRITE else "read"

@@ -1,0 +1,41 @@
+"""Shared fixtures: every async test runs on both asyncio's default loop and uvloop."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import uvloop
+
+
+def pytest_asyncio_loop_factories(config, item):
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+from flagcx_mc import AsyncTransferEngine, HostBuffer
+from flagcx_mc.node import NodeProcess
+
+# Remote regions every shared node offers: [0] 80 MiB for big transfers, [1] 1 MiB scratch.
+NODE_REGIONS = [80 << 20, 1 << 20]
+
+
+@pytest.fixture(scope="module")
+def node():
+    """A target engine in its own process, shared by the tests of one module."""
+    proc = NodeProcess(regions=NODE_REGIONS, config={"transfer_timeout": 10.0})
+    yield proc
+    proc.close()
+
+
+@pytest.fixture
+def local_buf():
+    buf = HostBuffer(80 << 20)
+    yield buf
+    buf.close()
+
+
+@pytest.fixture
+async def engine(local_buf):
+    """An initialized async engine with ``local_buf`` registered."""
+    async with AsyncTransferEngine(transfer_timeout=10.0) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, local_buf.size)
+        yield eng

@@ -1,0 +1,392 @@
+"""Handshake server/client over real sockets on 127.0.0.1, plus netaddr helpers."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import socket
+import time
+
+import pytest
+
+from flagcx_mc.errors import (
+    DnsError,
+    EndpointError,
+    HandshakeRejectedError,
+    HandshakeTimeoutError,
+    InvalidArgumentError,
+    MalformedJsonError,
+    PeerConnectionError,
+    RemoteProtocolError,
+)
+from flagcx_mc.handshake import FrameDecoder, HandshakeServer, Message, MessageType, encode_message, request
+from flagcx_mc.netaddr import format_host_port, parse_host_port, rpc_port_range
+
+HOST = "127.0.0.1"
+pytestmark = pytest.mark.timeout(20)
+
+
+async def echo(msg: Message) -> dict:
+    return {"type": int(msg.type), "echo": msg.payload}
+
+
+async def boom(msg: Message) -> dict:
+    raise RuntimeError("handler exploded")
+
+
+async def hang(msg: Message) -> dict:
+    await asyncio.sleep(30)
+    return {}
+
+
+HANDLERS = {
+    MessageType.CONNECTION: echo,
+    MessageType.METADATA: echo,
+    MessageType.NOTIFY: boom,
+    MessageType.PROBE: echo,
+}
+
+
+@contextlib.asynccontextmanager
+async def serving(handlers=HANDLERS, **kwargs):
+    """Run a server; fail if anything reached the loop's exception handler."""
+    loop = asyncio.get_running_loop()
+    leaked: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: leaked.append(ctx))
+    server = HandshakeServer(handlers, **kwargs)
+    await server.start(HOST, 0)
+    try:
+        yield server
+    finally:
+        await server.close()
+        gc.collect()
+        await asyncio.sleep(0)
+        loop.set_exception_handler(None)
+        assert leaked == []
+        assert server.connection_count == 0
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    header = await reader.readexactly(8)
+    body = await reader.readexactly(int.from_bytes(header, "little"))
+    return body[0], body[1:]
+
+
+async def assert_dropped(reader: asyncio.StreamReader, within: float) -> float:
+    """Wait for EOF or reset and return how long it took."""
+    start = time.monotonic()
+    with contextlib.suppress(ConnectionError):
+        data = await asyncio.wait_for(reader.read(1024), within)
+        assert data == b""
+    return time.monotonic() - start
+
+
+@contextlib.asynccontextmanager
+async def raw_conn(port: int):
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mtype", [MessageType.CONNECTION, MessageType.METADATA, MessageType.PROBE])
+async def test_request_reply_each_type(mtype):
+    async with serving() as server:
+        reply = await request(HOST, server.port, mtype, {"k": [1, 2]})
+        assert reply == {"type": int(mtype), "echo": {"k": [1, 2]}}
+
+
+async def test_reply_type_equals_request_type_on_the_wire():
+    async with serving() as server, raw_conn(server.port) as (reader, writer):
+        for mtype in (MessageType.PROBE, MessageType.CONNECTION, MessageType.NOTIFY, MessageType.METADATA):
+            writer.write(encode_message(mtype, {}))  # several requests on one connection
+        for mtype in (MessageType.PROBE, MessageType.CONNECTION, MessageType.NOTIFY, MessageType.METADATA):
+            type_byte, _ = await asyncio.wait_for(read_frame(reader), 5)
+            assert type_byte == mtype
+
+
+async def test_half_closed_client_gets_reply_then_eof():
+    async with serving() as server, raw_conn(server.port) as (reader, writer):
+        writer.write(encode_message(MessageType.METADATA, {"name": "x"}))
+        writer.write_eof()  # Mooncake style: one request, then the client waits
+        type_byte, body = await asyncio.wait_for(read_frame(reader), 5)
+        assert type_byte == MessageType.METADATA and body.endswith(b"\n")
+        assert await assert_dropped(reader, 5) < 5
+
+
+async def test_handler_exception_rejects_and_server_survives(caplog):
+    async with serving() as server:
+        with pytest.raises(HandshakeRejectedError, match="handler exploded") as info:
+            await request(HOST, server.port, MessageType.NOTIFY, {"name": "a", "notify_msg": "m"})
+        assert f"{HOST}:{server.port}" in str(info.value)
+        assert any("handler failed" in r.getMessage() for r in caplog.records)
+        assert (await request(HOST, server.port, MessageType.PROBE, {}))["type"] == 3
+
+
+async def test_unsupported_type_is_rejected_with_same_type():
+    async with serving({MessageType.PROBE: echo}) as server:
+        with pytest.raises(HandshakeRejectedError, match="unsupported message type 1"):
+            await request(HOST, server.port, MessageType.METADATA, {})
+
+
+BAD_STREAMS = {
+    "garbage": b"\xde\xad\xbe\xef" * 8,
+    "zero-length": bytes(8),
+    "oversized": (1 << 30).to_bytes(8, "little"),
+    "bad-json": (6).to_bytes(8, "little") + b"\x01{nope",
+    "json-array": (4).to_bytes(8, "little") + b"\x01[]\n",
+    "unknown-type": (4).to_bytes(8, "little") + b"\x09{}\n",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STREAMS))
+async def test_malformed_input_drops_only_that_connection(case, caplog):
+    caplog.set_level(logging.WARNING, "flagcx_mc.handshake")
+    async with serving(max_length=1 << 20) as server:
+        async with raw_conn(server.port) as (good_r, good_w):
+            async with raw_conn(server.port) as (reader, writer):
+                writer.write(BAD_STREAMS[case])
+                assert await assert_dropped(reader, 3) < 3
+            assert any("dropping" in r.getMessage() for r in caplog.records)
+            good_w.write(encode_message(MessageType.PROBE, {}))  # a bystander is unaffected
+            assert (await asyncio.wait_for(read_frame(good_r), 5))[0] == MessageType.PROBE
+        assert (await request(HOST, server.port, MessageType.PROBE, {}))["type"] == 3
+
+
+@pytest.mark.parametrize("sent", [b"", (40).to_bytes(8, "little") + b"\x01{"], ids=["idle", "mid-frame"])
+async def test_stalled_connection_dropped_after_read_timeout(sent):
+    async with serving(read_timeout=0.3) as server, raw_conn(server.port) as (reader, writer):
+        writer.write(sent)
+        elapsed = await assert_dropped(reader, 3)
+        assert 0.2 < elapsed < 2.5
+        assert (await request(HOST, server.port, MessageType.PROBE, {}))["type"] == 3
+
+
+async def test_dribbling_peer_cannot_extend_the_frame_deadline():
+    async with serving(read_timeout=0.4) as server, raw_conn(server.port) as (reader, writer):
+        start = time.monotonic()
+        writer.write((1000).to_bytes(8, "little") + b"\x01")  # a legal header, then a trickle
+        with contextlib.suppress(ConnectionError):
+            for _ in range(30):  # one byte every 0.1 s: each read is quick, the frame is not
+                writer.write(b" ")
+                await asyncio.sleep(0.1)
+                if reader.at_eof():
+                    break
+        await assert_dropped(reader, 3)
+        assert time.monotonic() - start < 2.0
+
+
+async def test_connections_beyond_limit_closed_immediately():
+    async with serving(max_connections=2) as server:
+        async with raw_conn(server.port) as (r1, w1), raw_conn(server.port) as (r2, w2):
+            for r, w in ((r1, w1), (r2, w2)):  # make sure both are being served
+                w.write(encode_message(MessageType.PROBE, {}))
+                await asyncio.wait_for(read_frame(r), 5)
+            assert server.connection_count == 2
+            async with raw_conn(server.port) as (r3, _w3):
+                assert await assert_dropped(r3, 3) < 1.0
+        await asyncio.sleep(0.05)
+        assert (await request(HOST, server.port, MessageType.PROBE, {}))["type"] == 3
+
+
+async def test_close_drops_live_connections_and_busy_handlers():
+    async with serving({MessageType.PROBE: hang}) as server:
+        port = server.port
+        async with raw_conn(port) as (reader, writer):
+            writer.write(encode_message(MessageType.PROBE, {}))
+            await asyncio.sleep(0.05)
+            assert server.connection_count == 1
+            start = time.monotonic()
+            await server.close()
+            assert time.monotonic() - start < 2.0
+            assert await assert_dropped(reader, 2) < 2
+    with pytest.raises(PeerConnectionError):
+        await request(HOST, port, MessageType.PROBE, {}, timeout=2)
+
+
+async def test_request_to_closed_port_fails_fast():
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(PeerConnectionError, match=f"{HOST}:{port}"):
+        await request(HOST, port, MessageType.PROBE, {}, timeout=5)
+    assert time.monotonic() - start < 2.0
+
+
+async def test_unknown_host_is_dns_error():
+    with pytest.raises(DnsError, match="no-such-host.invalid:1234"):
+        await request("no-such-host.invalid", 1234, MessageType.PROBE, {}, timeout=10)
+
+
+async def test_request_times_out_on_silent_peer():
+    async with serving({MessageType.PROBE: hang}) as server:
+        start = time.monotonic()
+        with pytest.raises(HandshakeTimeoutError, match=f"{HOST}:{server.port}"):
+            await request(HOST, server.port, MessageType.PROBE, {}, timeout=0.3)
+        assert time.monotonic() - start < 2.0
+
+
+@contextlib.asynccontextmanager
+async def fake_peer(reply: bytes):
+    """A peer that reads one frame and answers with ``reply`` bytes, then closes."""
+
+    async def on_conn(reader, writer):
+        try:
+            FrameDecoder().feed(await reader.read(1024))
+            writer.write(reply)
+            await writer.drain()
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(on_conn, HOST, 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("reply", "error", "match"),
+    [
+        (encode_message(MessageType.METADATA, {}), RemoteProtocolError, "METADATA frame"),
+        ((6).to_bytes(8, "little") + b"\x03{nope", MalformedJsonError, "bad reply"),
+        ((4).to_bytes(8, "little") + b"\x03[]\n", MalformedJsonError, "not an object"),
+        (bytes(8), RemoteProtocolError, "zero"),
+        (encode_message(MessageType.PROBE, {})[:-2], PeerConnectionError, "before a full reply"),
+        (b"", PeerConnectionError, "before a full reply"),
+        (encode_message(MessageType.PROBE, {"error": ""}), None, None),
+    ],
+    ids=["wrong-type", "bad-json", "array", "zero-length", "truncated", "no-reply", "empty-error"],
+)
+async def test_client_rejects_bad_replies(reply, error, match):
+    async with fake_peer(reply) as port:
+        if error is None:
+            assert await request(HOST, port, MessageType.PROBE, {}, timeout=3) == {"error": ""}
+            return
+        with pytest.raises(error, match=match) as info:
+            await request(HOST, port, MessageType.PROBE, {}, timeout=3)
+        assert f"{HOST}:{port}" in str(info.value)
+
+
+def _find_bindable_port() -> int:
+    for port in range(23000, 32000, 37):
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+                return port
+            except OSError:
+                continue
+    pytest.skip("no bindable port in 23000..32000")
+
+
+async def test_start_none_picks_port_in_env_range(monkeypatch):
+    base = _find_bindable_port()
+    monkeypatch.setenv("MC_MIN_RPC_PORT", str(base))
+    monkeypatch.setenv("MC_MAX_RPC_PORT", str(base + 3))
+    server = HandshakeServer(HANDLERS)
+    try:
+        port = await server.start(HOST, None)
+        assert base <= port <= base + 3 and server.port == port
+        assert (await request(HOST, port, MessageType.PROBE, {}))["type"] == 3
+    finally:
+        await server.close()
+
+
+async def test_start_fails_with_endpoint_error_when_port_taken(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind((HOST, _find_bindable_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MC_MIN_RPC_PORT", str(port))
+        monkeypatch.setenv("MC_MAX_RPC_PORT", str(port))
+        for wanted in (None, port):
+            server = HandshakeServer(HANDLERS)
+            with pytest.raises(EndpointError):
+                await server.start(HOST, wanted)
+            await server.close()
+
+
+async def test_start_binds_only_the_given_host():
+    async with serving() as server:
+        with socket.socket() as probe:  # another address on the same port is still free
+            probe.bind(("127.0.0.2", server.port))
+
+
+# ---- netaddr -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "default", "expected"),
+    [
+        ("host:80", None, ("host", 80)),
+        ("1.2.3.4:5", None, ("1.2.3.4", 5)),
+        ("[::1]:5", None, ("::1", 5)),
+        ("[fe80::1%eth0]:65535", None, ("fe80::1%eth0", 65535)),
+        ("host", 12001, ("host", 12001)),
+        ("[::1]", 7, ("::1", 7)),
+        ("::1", 7, ("::1", 7)),
+    ],
+)
+def test_parse_host_port(text, default, expected):
+    assert parse_host_port(text, default) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "default"),
+    [
+        ("host", None), ("[::1]", None), ("::1", None), ("host:0", None), ("host:65536", None),
+        ("host:-1", None), ("host:x", None), ("host:", None), (":80", None), ("", 5),
+        ("[::1", None), ("[::1]x", None), ("[nothex]:5", None), ("a:b:c", 5), ("h h:1", None),
+        ("host", 0), ("host", 70000), ("host:٣", None),
+    ],
+)
+def test_parse_host_port_rejects(text, default):
+    with pytest.raises(InvalidArgumentError):
+        parse_host_port(text, default)
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "expected"),
+    [("10.0.0.5", 15873, "10.0.0.5:15873"), ("fe80::1", 1, "[fe80::1]:1"), ("h", 2, "h:2"), ("[::1]", 3, "[::1]:3")],
+)
+def test_format_host_port_round_trips(host, port, expected):
+    assert format_host_port(host, port) == expected
+    assert parse_host_port(expected) == (host.strip("[]"), port)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (15000, 17000)),
+        ({"MC_MIN_RPC_PORT": "20000", "MC_MAX_RPC_PORT": "20010"}, (20000, 20010)),
+        ({"MC_MIN_PRC_PORT": "20000", "MC_MAX_PRC_PORT": "20010"}, (20000, 20010)),
+        ({"MC_MIN_RPC_PORT": "21000", "MC_MIN_PRC_PORT": "20000", "MC_MAX_PRC_PORT": "22000"}, (21000, 22000)),
+        ({"MC_MIN_RPC_PORT": "abc"}, (15000, 17000)),
+        ({"MC_MIN_RPC_PORT": "80"}, (15000, 17000)),
+        ({"MC_MAX_RPC_PORT": "70000"}, (15000, 17000)),
+        ({"MC_MIN_RPC_PORT": "16000", "MC_MAX_RPC_PORT": "15500"}, (15000, 17000)),
+        ({"MC_MIN_RPC_PORT": "30000", "MC_MAX_RPC_PORT": "32768"}, (15000, 17000)),
+        ({"MC_MIN_RPC_PORT": "60999", "MC_MAX_RPC_PORT": "62000"}, (15000, 17000)),
+        ({"MC_MIN_RPC_PORT": "61000", "MC_MAX_RPC_PORT": "62000"}, (61000, 62000)),
+    ],
+)
+def test_rpc_port_range(monkeypatch, caplog, env, expected):
+    for name in ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT", "MC_MIN_PRC_PORT", "MC_MAX_PRC_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert rpc_port_range() == expected
+    fell_back = bool(env) and expected == (15000, 17000)
+    assert any("ignoring RPC port range" in r.getMessage() for r in caplog.records) == fell_back
