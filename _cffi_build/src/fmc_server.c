@@ -176,8 +176,7 @@ static void serve(conn_state *cs)
                 break;
         }
     }
-    cs->niov = 0; /* the connection is gone: drop unsent answers, release pins */
-    flush(cs);
+    flush(cs); /* best effort: a peer that only half-closed still reads its answers; releases pins */
 }
 
 static void *conn_main(void *arg)

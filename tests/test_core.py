@@ -1,0 +1,133 @@
+"""The compiled core: it loads, its version and codes match the Python side, its registry rules hold."""
+
+from __future__ import annotations
+
+import re
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+import flagcx_mc
+from flagcx_mc import HostBuffer, errors
+from flagcx_mc._core import CoreEngine, CorePeer, core_version
+from flagcx_mc._fmc_cffi import lib
+
+CDEFS = Path(__file__).resolve().parents[1] / "_cffi_build" / "core_cdefs.h"
+
+
+def test_version_baked_into_core_matches_package():
+    assert core_version() == flagcx_mc.__version__
+
+
+def test_every_core_code_maps_to_its_exception():
+    codes = {name: int(value) for name, value in re.findall(r"(FMC_ERR_\w+)\s*=\s*(-\d+)", CDEFS.read_text())}
+    assert codes, "no error codes found in core_cdefs.h"
+    for name, code in codes.items():
+        assert getattr(lib, name) == code
+        exc = errors.error_for_code(code)
+        assert exc.code == code and type(exc) is not errors.UnknownCoreError, name
+    assert isinstance(errors.error_for_code(-9999), errors.UnknownCoreError)
+    with pytest.raises(errors.AddressOverlappedError):
+        errors.check_rc(-7)
+    assert errors.check_rc(5) == 5
+
+
+@pytest.fixture
+def core():
+    eng = CoreEngine("127.0.0.1")
+    yield eng
+    eng.close()
+
+
+def test_registry_rules(core):
+    buf = HostBuffer(1 << 20)
+    try:
+        key = core.register(buf.addr, 1 << 19)
+        assert 0 < key < 2**32
+        key2 = core.register(buf.addr + (1 << 19), 1 << 19)  # adjacent is fine
+        assert key2 != key or True
+        with pytest.raises(errors.AddressOverlappedError):
+            core.register(buf.addr + 4096, 4096)
+        with pytest.raises(errors.InvalidArgumentError):
+            core.register(buf.addr, 0)
+        with pytest.raises(errors.InvalidArgumentError):
+            core.register((1 << 64) - 4096, 8192)  # wraps around
+        with pytest.raises(errors.InvalidArgumentError):
+            core.register(0x1000, 4096)  # nothing mapped there
+        assert [(a, n) for a, n, _ in core.region_table()] == [(buf.addr, 1 << 19), (buf.addr + (1 << 19), 1 << 19)]
+        with pytest.raises(errors.AddressNotRegisteredError):
+            core.unregister(buf.addr + 1)
+        core.unregister(buf.addr)
+        core.unregister(buf.addr + (1 << 19))
+        assert core.region_table() == []
+    finally:
+        buf.close()
+
+
+def test_make_desc_finds_the_region_and_key(core):
+    peer = CorePeer(core, "127.0.0.1", core.data_port, 1, 0)
+    peer.set_regions([(0x20000, 0x1000, 7), (0x10000, 0x1000, 5)])
+    assert peer.find_region(0x10000, 0x1000) == (0x10000, 5)
+    assert peer.find_region(0x20800, 0x10) == (0x20000, 7)
+    for addr, length in [(0x10fff, 2), (0x0ffff, 1), (0x11000, 1), (0x10000, 0), ((1 << 64) - 1, 2)]:
+        with pytest.raises(errors.AddressNotRegisteredError):
+            peer.find_region(addr, length)
+
+
+def _raw_data_conn(core, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", core.data_port), timeout=5) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return b"".join(chunks)
+            chunks.append(data)
+
+
+def test_data_port_refuses_hostile_requests(core):
+    buf = HostBuffer(2 * 4096)
+    try:
+        buf.fill(0x5A)
+        key = core.register(buf.addr + 4096, 4096)
+        hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
+
+        def req(op, key, addr, length, ident=1):
+            return struct.pack("<BBHIQQQ", op, 0, 0, key, ident, addr, length)
+
+        # Wrong magic: the server answers no data and closes.
+        assert _raw_data_conn(core, b"GARBAGE!" + bytes(8)) == b"FMCNATOK" + struct.pack("<iI", -106, 0)
+        cases = [
+            req(1, key ^ 1, buf.addr + 4096, 16) + b"x" * 16,          # wrong key
+            req(1, key, buf.addr, 16) + b"x" * 16,                     # outside (guard page)
+            req(1, key, buf.addr + 8192 - 8, 16) + b"x" * 16,          # straddles the end
+            req(1, key, (1 << 64) - 8, 16) + b"x" * 16,                # wraps around 2**64
+            req(2, key, buf.addr, 16),                                 # read outside
+        ]
+        for payload in cases:
+            answer = _raw_data_conn(core, hello + payload)
+            assert answer[:16] == b"FMCNATOK" + struct.pack("<iI", 0, 0)
+            ident, status, _, length = struct.unpack("<QiIQ", answer[16:40])
+            assert (ident, status, length) == (1, -106, 0)
+        # Oversized and truncated requests: the connection is dropped, nothing answered.
+        assert _raw_data_conn(core, hello + req(1, key, buf.addr + 4096, 1 << 40))[16:] == b""
+        assert _raw_data_conn(core, hello + req(1, key, buf.addr + 4096, 64)[:20])[16:] == b""
+        assert _raw_data_conn(core, hello + req(9, key, buf.addr + 4096, 8))[16:] == b""
+        assert buf.read(0, 8192) == b"\x5a" * 8192  # not one byte changed
+        # A good write on a fresh connection still works afterwards.
+        answer = _raw_data_conn(core, hello + req(1, key, buf.addr + 4096, 4) + b"good")
+        assert struct.unpack("<QiIQ", answer[16:40])[1] == 0
+        assert buf.read(4096, 4) == b"good"
+        stats = core.stats()
+        assert stats["requests_refused"] >= 5 and stats["protocol_errors"] >= 3  # magic, oversized, opcode
+        deadline = time.monotonic() + 5
+        while core.stats()["server_connections"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert core.stats()["server_connections"] == 0
+        assert any("refused" in line for line in core.drain_log())
+    finally:
+        buf.close()

@@ -1,0 +1,173 @@
+"""The Mooncake drop-in: exact signatures, int returns, logged reasons, many threads at once."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from flagcx_mc import HostBuffer, TransferEngine
+from flagcx_mc.config import EngineConfig, mooncake_transfer_timeout
+
+
+@pytest.fixture
+def sync_engine():
+    eng = TransferEngine(transfer_timeout=10.0)
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    buf = HostBuffer(16 << 20)
+    assert eng.register_memory(buf.addr, buf.size) == 0
+    yield eng, buf
+    eng.close()
+    buf.close()
+
+
+def test_signatures_match_mooncake():
+    params = lambda name: list(inspect.signature(getattr(TransferEngine, name)).parameters.values())[1:]
+    init = params("initialize")
+    assert [p.name for p in init] == ["local_hostname", "metadata_server", "protocol", "device_name"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in init)
+    bw = params("batch_transfer_sync_write")
+    assert [p.name for p in bw] == ["target_hostname", "buffers", "peer_buffer_addresses", "lengths", "transport_hint"]
+    assert bw[-1].default == ""
+    assert [p.name for p in params("register_memory")] == ["buffer_addr", "capacity", "location"]
+    assert [p.name for p in params("transfer_sync_read")] == [
+        "target_hostname", "buffer", "peer_buffer_address", "length", "transport_hint"]
+    assert params("unregister_memory")[0].kind is inspect.Parameter.POSITIONAL_ONLY
+    assert params("batch_unregister_memory")[0].kind is inspect.Parameter.POSITIONAL_ONLY
+
+
+def test_calls_before_initialize_return_minus_one():
+    eng = TransferEngine()
+    assert eng.register_memory(0x1000, 16) == -1
+    assert eng.batch_transfer_sync_write("127.0.0.1:1", [1], [1], [1]) == -1
+    assert eng.get_rpc_port() == -1
+
+
+def test_initialize_rules(caplog):
+    eng = TransferEngine()
+    with caplog.at_level(logging.ERROR, logger="flagcx_mc"):
+        assert eng.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert "not supported" in caplog.text
+    assert eng.initialize("127.0.0.1:9999", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        port = eng.get_rpc_port()
+        assert 15000 <= port <= 17000 and port != 9999  # Mooncake: the given port is ignored
+        assert eng.session_name == f"127.0.0.1:{port}"
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    finally:
+        eng.close()
+
+
+def test_rpc_port_range_env(monkeypatch):
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "16100")
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "16120")
+    eng = TransferEngine()
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        assert 16100 <= eng.get_rpc_port() <= 16120
+    finally:
+        eng.close()
+
+
+def test_registration_codes(sync_engine, caplog):
+    eng, buf = sync_engine
+    with caplog.at_level(logging.ERROR, logger="flagcx_mc"):
+        assert eng.register_memory(buf.addr, 4096) == -7  # overlaps the fixture's region
+        assert eng.register_memory(buf.addr + buf.size, 0) == -1
+        assert eng.unregister_memory(buf.addr + 64) == -3
+        assert eng.register_memory(8, 4096) == -1  # not mapped: an error, not a crash
+    assert "overlaps" in caplog.text and "not mapped" in caplog.text
+    other = HostBuffer(3 * 4096)
+    try:
+        # All or none: the second region overlaps the first, so neither stays registered.
+        assert eng.batch_register_memory([other.addr, other.addr + 4096], [8192, 4096]) == -7
+        assert eng.register_memory(other.addr, 4096) == 0
+        assert eng.batch_unregister_memory([other.addr]) == 0
+        assert eng.batch_unregister_memory([other.addr]) == -3
+    finally:
+        other.close()
+
+
+def test_ten_threads_write_concurrently(sync_engine, node):
+    eng, buf = sync_engine
+    threads, blocks, block = 10, 32, 16 << 10
+    buf.fill_random(0, threads * blocks * block)
+
+    def worker(t):
+        base = t * blocks * block
+        local = [buf.addr + base + i * block for i in range(blocks)]
+        remote = [node.addr(0, base + i * block) for i in range(blocks)]
+        return [eng.batch_transfer_sync_write(node.session, local, remote, [block] * blocks) for _ in range(5)]
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(worker, range(threads)))
+    assert results == [[0] * 5] * threads
+    total = threads * blocks * block
+    assert node.call("digest", region=0, offset=0, length=total)["digest"] == buf.digest(0, total)
+
+
+def test_sync_read_and_empty_and_mismatched(sync_engine, node, caplog):
+    eng, buf = sync_engine
+    digest = node.call("fill", region=1)["digest"]
+    size = node.regions[1][1]
+    assert eng.transfer_sync_read(node.session, buf.addr, node.addr(1), size) == 0
+    assert buf.digest(0, size) == digest
+    assert eng.batch_transfer_sync_write(node.session, [], [], []) == 0
+    with caplog.at_level(logging.ERROR, logger="flagcx_mc"):
+        assert eng.batch_transfer_sync_write(node.session, [buf.addr], [node.addr(1)], [4, 4]) == -1
+        assert eng.batch_transfer_sync_write(node.session, [buf.addr], [node.addr(1) - 8], [16]) == -3
+    assert "differ in length" in caplog.text and "not inside one region" in caplog.text
+
+
+def test_gil_is_released_while_transferring(sync_engine, node):
+    eng, buf = sync_engine
+    counts = {"n": 0}
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counts["n"] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        start = time.perf_counter()
+        rounds = 0
+        while time.perf_counter() - start < 0.5:
+            assert eng.transfer_sync_write(node.session, buf.addr, node.addr(0), 16 << 20) == 0
+            rounds += 1
+        before = counts["n"]
+        time.sleep(0)
+        assert eng.transfer_sync_write(node.session, buf.addr, node.addr(0), 16 << 20) == 0
+        progressed = counts["n"] - before
+    finally:
+        stop.set()
+        t.join()
+    # A transfer that held the GIL for its whole duration would freeze the counter.
+    assert progressed > 1000, progressed
+
+
+def test_mooncake_transfer_timeout_env(monkeypatch):
+    monkeypatch.delenv("FLAGCX_MC_TRANSFER_TIMEOUT", raising=False)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "2")
+    assert mooncake_transfer_timeout() == 5.0  # Mooncake's floor
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "45")
+    config = EngineConfig.from_env()
+    assert config.transfer_timeout == 45.0
+    assert config.timeout_for(2 * 10**9) == pytest.approx(47.0)  # plus 1 s per GB, as Mooncake
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT")
+    assert EngineConfig.from_env().transfer_timeout == 30.0
+    monkeypatch.setenv("FLAGCX_MC_TRANSFER_TIMEOUT", "0.5")
+    assert EngineConfig.from_env().transfer_timeout == 0.5
+
+
+def test_self_transfer_uses_own_session(sync_engine):
+    eng, buf = sync_engine
+    digest = buf.fill_random(0, 1 << 20)
+    assert eng.transfer_sync_write(eng.session_name, buf.addr, buf.addr + (4 << 20), 1 << 20) == 0
+    assert hashlib.sha256(buf.read(4 << 20, 1 << 20)).hexdigest() == digest

@@ -1,0 +1,91 @@
+"""Timeouts and dead peers: calls fail in time, and a failed call leaves the caller's buffers alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
+from flagcx_mc.node import NodeProcess
+
+TIMEOUT = 1.0
+BIG = 64 << 20  # far more than the socket buffers hold, so a frozen target stalls the sender
+
+
+@pytest.fixture
+def frozen_node():
+    """A private node that tests may SIGSTOP; always resumed and reaped."""
+    proc = NodeProcess(regions=[BIG])
+    yield proc
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.close()
+
+
+@pytest.fixture
+async def fast_engine():
+    buf = HostBuffer(BIG)
+    async with AsyncTransferEngine(transfer_timeout=TIMEOUT, handshake_timeout=2.0) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(buf.addr, buf.size)
+        yield eng, buf
+    buf.close()
+
+
+async def test_write_to_frozen_target_times_out_and_touches_nothing_after(fast_engine, frozen_node):
+    eng, buf = fast_engine
+    await eng.transfer_sync_write(frozen_node.session, buf.addr, frozen_node.addr(0), 4096)  # session open
+    frozen_node.call("set", region=0, byte=0)
+    buf.fill(0x11)
+    os.kill(frozen_node.pid, signal.SIGSTOP)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(errors.TransferTimeoutError):
+        await eng.transfer_sync_write(frozen_node.session, buf.addr, frozen_node.addr(0), BIG)
+    elapsed = loop.time() - start
+    assert TIMEOUT <= elapsed < TIMEOUT + 1.5, elapsed
+    # The call returned: the engine must not read the source any more.  Rewrite it, let the
+    # target run again, and check that none of the new bytes ever arrive.
+    buf.fill(0x22)
+    os.kill(frozen_node.pid, signal.SIGCONT)
+    await asyncio.sleep(0.5)
+    assert frozen_node.call("count_byte", region=0, byte=0x22)["count"] == 0
+    # The broken session is replaced on next use.
+    digest = buf.fill_random(0, 1 << 20)
+    await eng.transfer_sync_write(frozen_node.session, buf.addr, frozen_node.addr(0), 1 << 20)
+    assert frozen_node.call("digest", region=0, offset=0, length=1 << 20)["digest"] == digest
+
+
+async def test_read_from_frozen_target_times_out_and_writes_nothing_after(fast_engine, frozen_node):
+    eng, buf = fast_engine
+    frozen_node.call("set", region=0, byte=0x33)
+    await eng.transfer_sync_read(frozen_node.session, buf.addr, frozen_node.addr(0), 4096)
+    os.kill(frozen_node.pid, signal.SIGSTOP)
+    with pytest.raises(errors.TransferTimeoutError):
+        await eng.transfer_sync_read(frozen_node.session, buf.addr, frozen_node.addr(0), BIG)
+    buf.fill(0x44)
+    os.kill(frozen_node.pid, signal.SIGCONT)
+    await asyncio.sleep(0.5)
+    assert buf.read(0, BIG).count(0x44) == BIG  # no late byte landed in the destination
+
+
+async def test_killed_target_fails_fast_and_later_calls_fail_fast(fast_engine):
+    eng, buf = fast_engine
+    victim = NodeProcess(regions=[BIG])
+    try:
+        await eng.transfer_sync_write(victim.session, buf.addr, victim.addr(0), 4096)
+        transfer = asyncio.ensure_future(eng.transfer_sync_write(victim.session, buf.addr, victim.addr(0), BIG))
+        await asyncio.sleep(0.01)
+        victim.proc.kill()
+        victim.proc.wait(5)
+        start = time.monotonic()
+        with pytest.raises((errors.PeerConnectionError, errors.TransferTimeoutError)):
+            await transfer
+        with pytest.raises((errors.PeerConnectionError, errors.HandshakeTimeoutError)):
+            await eng.transfer_sync_write(victim.session, buf.addr, victim.addr(0), 4096)
+        assert time.monotonic() - start < TIMEOUT + 2.5
+    finally:
+        victim.kill()
