@@ -11,7 +11,13 @@ import operator
 from typing import List, Sequence, Tuple
 
 from . import errors
-from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
+try:
+    from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
+except ImportError as exc:  # a source tree without the compiled core
+    raise ImportError(
+        f"flagcx_mc's C core is not built here ({exc}); install the package with `pip install .` "
+        "(or `pip install -e .` in a checkout)"
+    ) from exc
 
 __all__ = ["CoreEngine", "CorePeer", "CoreBatch", "OP_READ", "OP_WRITE", "core_version", "last_error", "u64_array"]
 

@@ -149,9 +149,13 @@ class NodeProcess:
                  argv_prefix: Optional[List[str]] = None) -> None:
         child_env = dict(os.environ)
         child_env.update(env or {})
+        # Start in the directory that holds this very package, so the child imports the same
+        # flagcx_mc (not a source tree without the compiled core that happens to be the cwd).
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen(
             list(argv_prefix or []) + [sys.executable, "-m", "flagcx_mc.node"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env, text=True, bufsize=1,
+            cwd=package_parent,
         )
         try:
             info = self.call("init", timeout=start_timeout, host=host, regions=list(regions), config=config)
