@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 import pytest
 import uvloop
@@ -39,3 +41,29 @@ async def engine(local_buf):
         await eng.initialize("127.0.0.1")
         await eng.register_memory(local_buf.addr, local_buf.size)
         yield eng
+
+
+def _live_children() -> list:
+    """Processes whose parent is this test process (zombies included: they were not reaped)."""
+    me = str(os.getpid())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    yield
+    deadline = time.monotonic() + 10
+    while _live_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_children() == [], "tests left child processes running"

@@ -89,3 +89,19 @@ async def test_killed_target_fails_fast_and_later_calls_fail_fast(fast_engine):
         assert time.monotonic() - start < TIMEOUT + 2.5
     finally:
         victim.kill()
+
+
+async def test_a_stuck_handshake_does_not_delay_other_peers(fast_engine, frozen_node, node):
+    eng, buf = fast_engine
+    os.kill(frozen_node.pid, signal.SIGSTOP)  # its rpc port accepts (kernel backlog) but never answers
+    stuck = asyncio.ensure_future(eng.transfer_sync_write(frozen_node.session, buf.addr, frozen_node.addr(0), 64))
+    await asyncio.sleep(0.05)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    digest = buf.fill_random(0, 4096)
+    await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)
+    assert loop.time() - start < 1.0  # not queued behind the stuck handshake
+    assert node.call("digest", region=1, offset=0, length=4096)["digest"] == digest
+    with pytest.raises(errors.HandshakeTimeoutError):
+        await stuck
+    assert loop.time() - start < 2.0 + 0.5  # handshake_timeout bounds it
