@@ -13,6 +13,18 @@ from ._core import core_version as _core_version
 from .buffers import HostBuffer
 from .engine import AsyncTransferEngine
 from .errors import FlagcxMcError
+from .names import (
+    SUPPORT_CUDA,
+    SUPPORT_EFA,
+    SUPPORT_HIP,
+    SUPPORT_INTRA_NVLINK,
+    SUPPORT_MNNVL,
+    SUPPORT_MUSA,
+    Read,
+    TransferNotify,
+    TransferOpcode,
+    Write,
+)
 from .sync import TransferEngine
 
 try:
@@ -26,4 +38,21 @@ if _core_version() != __version__:
         "reinstall with `pip install .` to rebuild it"
     )
 
-__all__ = ["AsyncTransferEngine", "TransferEngine", "HostBuffer", "FlagcxMcError", "errors", "__version__"]
+__all__ = [
+    "AsyncTransferEngine",
+    "TransferEngine",
+    "TransferOpcode",
+    "TransferNotify",
+    "Read",
+    "Write",
+    "SUPPORT_CUDA",
+    "SUPPORT_EFA",
+    "SUPPORT_HIP",
+    "SUPPORT_INTRA_NVLINK",
+    "SUPPORT_MNNVL",
+    "SUPPORT_MUSA",
+    "HostBuffer",
+    "FlagcxMcError",
+    "errors",
+    "__version__",
+]

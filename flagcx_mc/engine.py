@@ -9,36 +9,52 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Deque, List, Optional, Sequence
 
 from . import errors
 from ._core import CoreEngine
+from .batches import BatchTable, PendingBatch
 from .config import EngineConfig
-from .handshake.codec import Message, MessageType
-from .handshake.server import HandshakeServer
-from .metadata import BufferDesc, NativeInfo, RegionDesc, SegmentDesc
+from .handshake.codec import MessageType
+from .handshake.server import HandshakeServer, request
+from .local_segment import LocalSegment
+from .managed import ManagedPool
+from .names import TransferNotify, TransferOpcode
 from .netaddr import format_host_port, parse_host_port, rpc_port_range
 from .sessions import Session, SessionCache
 from .transfer import OP_READ, OP_WRITE, TransferRequest, needs_refresh, opcode_name
 
-__all__ = ["AsyncTransferEngine", "P2P_HANDSHAKE"]
+__all__ = ["AsyncTransferEngine", "RemoteDesc", "P2P_HANDSHAKE"]
 
 log = logging.getLogger("flagcx_mc.engine")
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
-NATIVE_VERSION = 1
 _LOG_DRAIN_INTERVAL = 1.0
 
 
-def _boot_id() -> str:
+@dataclass(frozen=True)
+class RemoteDesc:
+    """Where a remote range lives (seed 000's ``make_desc``): its region's base and key."""
+
+    addr: int
+    size: int
+    region_base: int
+    key: int
+
+
+def _opcode(opcode: int) -> int:
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+        op = TransferOpcode(int(opcode))
+    except (TypeError, ValueError):
+        raise errors.InvalidArgumentError(f"opcode must be TransferOpcode.Read or .Write, got {opcode!r}") from None
+    return OP_WRITE if op is TransferOpcode.Write else OP_READ
 
 
 class AsyncTransferEngine:
@@ -53,11 +69,15 @@ class AsyncTransferEngine:
         self._core: Optional[CoreEngine] = None
         self._server: Optional[HandshakeServer] = None
         self._sessions: Optional[SessionCache] = None
+        self._segment: Optional[LocalSegment] = None
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._log_task: Optional[asyncio.Task] = None
+        self._managed: Optional[ManagedPool] = None
+        self._batches = BatchTable()
+        self._notifies: Deque[TransferNotify] = collections.deque(maxlen=65536)
         self._host = ""
         self._rpc_port = 0
-        self._notifies: Deque[Tuple[str, str]] = collections.deque(maxlen=65536)
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -79,8 +99,13 @@ class AsyncTransferEngine:
         Raises:
             EngineStateError: already initialized or closed.
             NotSupportedError: a metadata server other than P2PHANDSHAKE.
-            InvalidArgumentError, EndpointError: bad host name, no free port.
+            InvalidArgumentError, EndpointError, DnsError: bad host name, no free port.
         """
+        await self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "")
+
+    async def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
+                             metadata_type: str) -> None:
+        """``initialize`` with Mooncake's ``metadata_type`` (prefixed to a scheme-less server)."""
         if self._core is not None or self._closed:
             raise errors.EngineStateError("engine already initialized" if self._core else "engine closed")
         if metadata_server != P2P_HANDSHAKE:
@@ -89,26 +114,23 @@ class AsyncTransferEngine:
             )
         if protocol not in ("tcp", ""):
             log.info("protocol %r requested: this build moves data over its native TCP transport", protocol)
-        host, _ = parse_host_port(local_hostname, default_port=12001)  # port ignored in P2P mode
+        host, _ = parse_host_port(local_hostname, default_port=12001)  # the port is ignored in P2P mode
         loop = asyncio.get_running_loop()
+        self._loop = loop
         self._executor = ThreadPoolExecutor(self._config.wait_threads, thread_name_prefix="flagcx-mc-wait")
         low, high = rpc_port_range()
         try:
             self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
-            self._server = HandshakeServer(
-                {
-                    MessageType.METADATA: self._on_metadata,
-                    MessageType.PROBE: self._on_probe,
-                    MessageType.NOTIFY: self._on_notify,
-                    MessageType.CONNECTION: self._on_connection,
-                }
-            )
+            self._segment = LocalSegment(self._core, self._notifies)
+            self._server = HandshakeServer(self._segment.handlers())
             self._rpc_port = await self._server.start(host, None)
         except BaseException:
             await self._teardown()
             raise
         self._host = host
-        self._sessions = SessionCache(self._core, self._config, self._executor, self._local_desc_json)
+        self._segment.name = self.session_name
+        self._managed = ManagedPool(self._core.register, self._core.unregister)
+        self._sessions = SessionCache(self._core, self._config, self._executor, self._segment.desc_json)
         self._log_task = loop.create_task(self._drain_core_log())
         log.info("engine %s up (data port %d)", self.session_name, self._core.data_port)
 
@@ -129,7 +151,11 @@ class AsyncTransferEngine:
             await self._sessions.close()
         if self._executor is not None:
             executor, self._executor = self._executor, None
+            await asyncio.get_running_loop().run_in_executor(None, self._batches.cancel_all)
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        if self._managed is not None:
+            self._managed.close()
+            self._managed = None
         if self._core is not None:
             core, self._core = self._core, None
             core.close()
@@ -158,6 +184,13 @@ class AsyncTransferEngine:
     def stats(self) -> dict:
         """Counters of the C core (bytes, batches, refusals, connections)."""
         return self._require_core().stats()
+
+    async def get_local_topology(self, device_name: Optional[str] = None) -> str:
+        """Mooncake's priority matrix as JSON; with no RDMA devices every location maps to none."""
+        nodes = sorted(
+            int(n[4:]) for n in _listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit()
+        ) or [0]
+        return json.dumps({f"cpu:{n}": [[], []] for n in nodes})
 
     # ------------------------------------------------------------------ memory
 
@@ -199,7 +232,36 @@ class AsyncTransferEngine:
         if first is not None:
             raise first
 
-    # ------------------------------------------------------------------ transfers
+    async def allocate_managed_buffer(self, length: int) -> int:
+        """An engine-owned, registered block of at least ``length`` bytes (shared memory)."""
+        self._require_core()
+        return await self._in_executor(self._managed.allocate, length)
+
+    async def free_managed_buffer(self, buffer_addr: int, length: int) -> None:
+        self._require_core()
+        self._managed.free(buffer_addr, length)
+
+    async def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> None:
+        """Copy ``src[:length]`` into registered memory at ``dest_address``."""
+        data = memoryview(src).cast("B")
+        if not 0 <= length <= len(data):
+            raise errors.InvalidArgumentError(f"length {length} outside the {len(data)} source bytes")
+        self._check_local(dest_address, length)
+        ctypes.memmove(dest_address, bytes(data[:length]), length)
+
+    async def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
+        """Return ``length`` bytes of registered memory at ``source_address``."""
+        self._check_local(source_address, length)
+        return ctypes.string_at(source_address, length)
+
+    def _check_local(self, addr: int, length: int) -> None:
+        core = self._require_core()
+        if length == 0:
+            return
+        if not any(a <= addr and addr + length <= a + n for a, n, _ in core.region_table()):
+            raise errors.AddressNotRegisteredError(f"[{addr:#x}, +{length}) is not inside one registered region")
+
+    # ------------------------------------------------------------------ synchronous transfers
 
     async def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                                   length: int, transport_hint: str = "") -> None:
@@ -228,10 +290,23 @@ class AsyncTransferEngine:
         """Read the peer's ``peer_buffer_addresses[i]`` into local ``buffers[i]``."""
         await self._transfer(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
 
-    async def _transfer(self, target: str, req: TransferRequest) -> None:
+    async def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
+                            opcode: int, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> None:
+        """One transfer by opcode; ``notify`` reaches the target after the data landed."""
+        await self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
+
+    async def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
+                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
+                                  notify: Optional[TransferNotify] = None, transport_hint: str = "") -> None:
+        req = TransferRequest.build(_opcode(opcode), buffers, peer_buffer_addresses, lengths)
+        session = await self._transfer(target_hostname, req)
+        if notify is not None:
+            await self.send_notify(target_hostname, notify, session)
+
+    async def _transfer(self, target: str, req: TransferRequest) -> Optional[Session]:
         sessions = self._require_sessions()
         if req.count == 0:
-            return
+            return None
         session = await sessions.get(target)
         rc, why = await self._in_executor(req.run, session, self._config)
         if needs_refresh(rc):
@@ -239,56 +314,157 @@ class AsyncTransferEngine:
             rc, why = await self._in_executor(req.run, session, self._config)
         if rc != 0:
             raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+        return session
 
-    # ------------------------------------------------------------------ notifies
+    # ------------------------------------------------------------------ asynchronous batches
 
-    def get_notifies(self) -> List[Tuple[str, str]]:
-        """Drain the (name, message) notifications peers sent to this engine."""
+    async def batch_transfer_async_write(self, target_hostname: str, buffers: Sequence[int],
+                                         peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
+                                         transport_hint: str = "") -> int:
+        """Start a write batch; returns its id for ``get_batch_transfer_status``."""
+        return await self._submit(target_hostname, TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
+
+    async def batch_transfer_async_read(self, target_hostname: str, buffers: Sequence[int],
+                                        peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
+                                        transport_hint: str = "") -> int:
+        return await self._submit(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
+
+    async def batch_transfer_async(self, target_hostname: str, buffers: Sequence[int],
+                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
+                                   transport_hint: str = "") -> int:
+        req = TransferRequest.build(_opcode(opcode), buffers, peer_buffer_addresses, lengths)
+        return await self._submit(target_hostname, req)
+
+    async def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
+                                    transport_hint: str = "") -> int:
+        """Start one write; poll it with ``transfer_check_status``.
+
+        Unlike Mooncake, the batch still gets the transfer deadline, so nothing can wait forever.
+        """
+        req = TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length)
+        return await self._submit(target_hostname, req)
+
+    async def _submit(self, target: str, req: TransferRequest) -> int:
+        sessions = self._require_sessions()
+        session = await sessions.get(target)
+        try:
+            batch = req.submit(session)
+        except errors.AddressNotRegisteredError:
+            session = await sessions.refresh(target, session)
+            batch = req.submit(session)
+        deadline = time.monotonic() + self._config.timeout_for(req.total_bytes)
+        return self._batches.add(PendingBatch(batch, target, deadline))
+
+    async def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> None:
+        """Wait for every batch; each is forgotten once done.  Raises the first failure."""
+        first: Optional[errors.FlagcxMcError] = None
+        for batch_id in list(batch_ids):
+            try:
+                pending = self._batches.get(batch_id)
+            except errors.FlagcxMcError as exc:
+                first = first or exc
+                continue
+            rc, why = await self._in_executor(pending.batch.wait, pending.remaining_ms())
+            self._batches.discard(batch_id)
+            if rc != 0 and first is None:
+                first = errors.error_for_code(rc, f"batch {batch_id} to {pending.target} failed: {why}")
+        if first is not None:
+            raise first
+
+    async def transfer_check_status(self, batch_id: int) -> int:
+        """1 done (and forgotten), 0 still running; raises if it failed or passed its deadline."""
+        pending = self._batches.get(batch_id)
+        state = pending.batch.poll()
+        if state == 0 and time.monotonic() > pending.deadline:
+            await self._in_executor(pending.batch.cancel)
+            self._batches.discard(batch_id)
+            raise errors.TransferTimeoutError(f"batch {batch_id} to {pending.target} timed out")
+        if state == 0:
+            return 0
+        self._batches.discard(batch_id)
+        if state < 0:
+            raise errors.error_for_code(state, f"batch {batch_id} to {pending.target} failed")
+        return 1
+
+    # ------------------------------------------------------------------ FlagCX-style low-level API
+
+    async def get_conn(self, session_name: str) -> Session:
+        """The cached connection to a peer (handshakes on first use)."""
+        return await self._require_sessions().get(session_name)
+
+    def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:
+        """The remote region and key that wholly hold [remote_addr, remote_addr + size)."""
+        base, key = conn.peer.find_region(remote_addr, size)
+        return RemoteDesc(remote_addr, size, base, key)
+
+    async def write_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                           sizes: Sequence[int]) -> int:
+        """Start writes of ``sizes[i]`` bytes from ``local_addrs[i]`` to ``descs[i]``; returns a transfer id."""
+        return self._vector(OP_WRITE, conn, local_addrs, descs, sizes)
+
+    async def read_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                          sizes: Sequence[int]) -> int:
+        return self._vector(OP_READ, conn, local_addrs, descs, sizes)
+
+    def _vector(self, op: int, conn: Session, local_addrs, descs, sizes) -> int:
+        if len(descs) != len(sizes) or any(s > d.size for d, s in zip(descs, sizes)):
+            raise errors.InvalidArgumentError("each size must be at most its descriptor's size")
+        req = TransferRequest.build(op, local_addrs, [d.addr for d in descs], sizes)
+        deadline = time.monotonic() + self._config.timeout_for(req.total_bytes)
+        return self._batches.add(PendingBatch(req.submit(conn), conn.name, deadline))
+
+    async def xfer_status(self, xfer_id: int) -> int:
+        """1 done, 0 in progress; raises on failure (FlagCX's XferStatus)."""
+        return await self.transfer_check_status(xfer_id)
+
+    async def write_vector_sync(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                                sizes: Sequence[int]) -> None:
+        await self.get_batch_transfer_status([await self.write_vector(conn, local_addrs, descs, sizes)])
+
+    async def read_vector_sync(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                               sizes: Sequence[int]) -> None:
+        await self.get_batch_transfer_status([await self.read_vector(conn, local_addrs, descs, sizes)])
+
+    # ------------------------------------------------------------------ segments, probes, notifies
+
+    async def get_first_buffer_address(self, segment_name: str) -> int:
+        """Address of the first buffer the named segment registered (0 if none)."""
+        sessions = self._require_sessions()
+        session = await sessions.get(segment_name)
+        if not session.desc.buffers:
+            session = await sessions.refresh(segment_name, session)
+        return session.desc.buffers[0].addr if session.desc.buffers else 0
+
+    async def send_probe(self, peer_server_name: str) -> None:
+        """Check that a peer's handshake server answers (Mooncake's Probe message)."""
+        host, port = parse_host_port(peer_server_name)
+        reply = await request(host, port, MessageType.PROBE, {}, timeout=self._config.handshake_timeout)
+        if reply.get("status") != "success":
+            raise errors.HandshakeRejectedError(f"{peer_server_name} answered the probe with {reply!r}")
+
+    async def send_notify(self, target_hostname: str, notify: TransferNotify,
+                          session: Optional[Session] = None) -> None:
+        """Deliver ``notify`` to the target's ``get_notifies()``."""
+        if session is None:
+            session = await self._require_sessions().get(target_hostname)
+        await request(session.host, session.rpc_port, MessageType.NOTIFY,
+                      {"name": notify.name, "notify_msg": notify.msg}, timeout=self._config.handshake_timeout)
+
+    def get_notifies(self) -> List[TransferNotify]:
+        """Drain the notifications peers sent to this engine, oldest first."""
         items = list(self._notifies)
         self._notifies.clear()
         return items
 
-    # ------------------------------------------------------------------ handshake handlers
+    # ------------------------------------------------------------------ what this build cannot do
 
-    def _local_desc(self) -> SegmentDesc:
-        core = self._require_core()
-        name = self.session_name
-        table = core.region_table()
-        return SegmentDesc(
-            name=name,
-            protocol="tcp",
-            tcp_data_port=core.data_port,
-            tcp_proto_version=2,
-            buffers=tuple(BufferDesc(name=name, addr=a, length=n) for a, n, _ in table),
-            native=NativeInfo(
-                version=NATIVE_VERSION,
-                data_port=core.data_port,
-                regions=tuple(RegionDesc(addr=a, length=n, key=k) for a, n, k in table),
-                boot_id=_boot_id(),
-                pid=os.getpid(),
-            ),
-        )
+    async def transfer_write_on_cuda(self, *args: Any, **kwargs: Any) -> None:
+        raise errors.NotSupportedError("transfer_write_on_cuda needs the CUDA data path, which this build lacks")
 
-    def _local_desc_json(self) -> dict:
-        return self._local_desc().to_json_dict()
+    transfer_read_on_cuda = batch_transfer_write_on_cuda = batch_transfer_read_on_cuda = transfer_write_on_cuda
 
-    async def _on_metadata(self, message: Message) -> dict:
-        return self._local_desc_json()
-
-    async def _on_probe(self, message: Message) -> dict:
-        return {"status": "success"}
-
-    async def _on_notify(self, message: Message) -> dict:
-        name, msg = message.payload.get("name"), message.payload.get("notify_msg")
-        if not isinstance(name, str) or not isinstance(msg, str):
-            raise errors.MalformedJsonError("notify needs string 'name' and 'notify_msg'")
-        self._notifies.append((name, msg))
-        return {"name": "", "notify_msg": "success"}
-
-    async def _on_connection(self, message: Message) -> dict:
-        # What Mooncake's TCP transport answers: an all-empty endpoint descriptor.
-        return {"local_gid": "", "local_lid": 0, "local_nic_path": "", "payload": "", "peer_nic_path": "",
-                "qp_num": [], "reply_msg": ""}
+    async def warmup_efa_segment(self, segment_name: str) -> int:
+        return 0  # Mooncake: a no-op outside EFA builds
 
     # ------------------------------------------------------------------ helpers
 
@@ -312,6 +488,13 @@ class AsyncTransferEngine:
                 return
             for line in self._core.drain_log():
                 log.warning("%s: %s", self.session_name, line)
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _register_all(core: CoreEngine, addrs: List[int], lens: List[int]) -> None:

@@ -3,8 +3,8 @@
 A private event loop in a daemon thread runs the async engine's control plane.  Transfers to an
 already-open session skip that loop entirely: the calling thread goes straight into the C core
 (GIL released), so many threads can transfer at once without queueing behind each other.
-Every method returns Mooncake's value: 0 on success, a negative code on failure, the reason
-logged on the ``flagcx_mc`` logger.
+Every method returns Mooncake's value: 0 (or a result) on success, Mooncake's failure value on
+failure, with the reason logged on the ``flagcx_mc`` logger.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import functools
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Coroutine, Optional, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, List, Optional, Sequence, TypeVar
 
 from . import errors
-from .engine import AsyncTransferEngine
+from .engine import AsyncTransferEngine, RemoteDesc
+from .names import TransferNotify, TransferOpcode
 from .sessions import Session
 from .transfer import OP_READ, OP_WRITE, TransferRequest, needs_refresh, opcode_name
 
@@ -27,7 +28,7 @@ log = logging.getLogger("flagcx_mc")
 
 T = TypeVar("T")
 
-# Upper bound for control-plane calls made from the caller's thread (the handshake has its own,
+# Upper bound for control-plane calls made from the caller's thread (handshakes have their own,
 # shorter timeouts; this only guards against a wedged loop thread).
 _CONTROL_TIMEOUT = 120.0
 
@@ -41,26 +42,33 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def _returns_code(fn: Callable[..., Any]) -> Callable[..., int]:
-    """Map exceptions to Mooncake's codes and log why; success is 0."""
+def _on_failure(value: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Turn exceptions into Mooncake's failure value (``None``: the error's code) and log why."""
 
-    @functools.wraps(fn)
-    def wrapper(self: "TransferEngine", *args: Any, **kwargs: Any) -> int:
-        try:
-            fn(self, *args, **kwargs)
-            return 0
-        except errors.FlagcxMcError as exc:
-            log.error("%s failed: %s", fn.__name__, exc)
-            return exc.code
-        except Exception:
-            log.exception("%s failed unexpectedly", fn.__name__)
-            return -1
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(self: "TransferEngine", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except errors.FlagcxMcError as exc:
+                log.error("%s failed: %s", fn.__name__, exc)
+                return exc.code if value is None else value
+            except Exception:
+                log.exception("%s failed unexpectedly", fn.__name__)
+                return -1 if value is None else value
 
-    return wrapper
+        return wrapper
+
+    return decorate
+
+
+_code = _on_failure()
 
 
 class TransferEngine:
     """Mooncake-compatible synchronous engine; safe to call from many threads at once."""
+
+    TransferOpcode = TransferOpcode
 
     def __init__(self, **config: Any) -> None:
         self._engine = AsyncTransferEngine(**config)
@@ -99,6 +107,10 @@ class TransferEngine:
 
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str, /) -> int:
         """Start the engine; 0 on success, -1 on failure (Mooncake's convention)."""
+        return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "")
+
+    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
+                       metadata_type: str, /) -> int:
         with self._start_lock:
             if self._initialized:
                 log.error("initialize failed: engine already initialized")
@@ -106,7 +118,8 @@ class TransferEngine:
             try:
                 if self._loop is None:
                     self._start_loop()
-                self._run(self._engine.initialize(local_hostname, metadata_server, protocol, device_name))
+                self._run(self._engine.initialize_ext(local_hostname, metadata_server, protocol, device_name,
+                                                      metadata_type))
             except errors.FlagcxMcError as exc:
                 log.error("initialize failed: %s", exc)
                 return -1
@@ -148,48 +161,99 @@ class TransferEngine:
     def stats(self) -> dict:
         return self._engine.stats()
 
+    def get_engine(self) -> None:
+        log.error("get_engine failed: Mooncake's InnerTransferEngine (Store, mooncake.pg) does not exist here")
+        return None
+
+    def get_engine_ptr(self, /) -> int:
+        log.error("get_engine_ptr failed: there is no C++ TransferEngine object to point at")
+        return 0
+
+    @_on_failure("")
+    def get_local_topology(self, device_name: Optional[str] = None) -> str:
+        return self._run(self._engine.get_local_topology(device_name))
+
     # ------------------------------------------------------------------ memory
 
-    @_returns_code
-    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> None:
+    @_code
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
         self._run(self._engine.register_memory(buffer_addr, capacity, location))
+        return 0
 
-    @_returns_code
-    def unregister_memory(self, buffer_addr: int, /) -> None:
+    @_code
+    def unregister_memory(self, buffer_addr: int, /) -> int:
         self._run(self._engine.unregister_memory(buffer_addr))
+        return 0
 
-    @_returns_code
+    @_code
     def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
-                              location: str = "*") -> None:
+                              location: str = "*") -> int:
         self._run(self._engine.batch_register_memory(buffer_addresses, capacities, location))
+        return 0
 
-    @_returns_code
-    def batch_unregister_memory(self, buffer_addresses: Sequence[int], /) -> None:
+    @_code
+    def batch_unregister_memory(self, buffer_addresses: Sequence[int], /) -> int:
         self._run(self._engine.batch_unregister_memory(buffer_addresses))
+        return 0
 
-    # ------------------------------------------------------------------ transfers
+    @_on_failure(0)
+    def allocate_managed_buffer(self, length: int, /) -> int:
+        return self._run(self._engine.allocate_managed_buffer(length))
 
-    @_returns_code
+    @_code
+    def free_managed_buffer(self, buffer_addr: int, length: int, /) -> int:
+        self._run(self._engine.free_managed_buffer(buffer_addr, length))
+        return 0
+
+    @_code
+    def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int, /) -> int:
+        self._run(self._engine.write_bytes_to_buffer(dest_address, src_ptr, length))
+        return 0
+
+    @_on_failure(b"")
+    def read_bytes_from_buffer(self, source_address: int, length: int, /) -> bytes:
+        return self._run(self._engine.read_bytes_from_buffer(source_address, length))
+
+    # ------------------------------------------------------------------ synchronous transfers
+
+    @_code
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                            transport_hint: str = "") -> None:
-        self._transfer(target_hostname, TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length))
+                            transport_hint: str = "") -> int:
+        return self._transfer(target_hostname, TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length))
 
-    @_returns_code
+    @_code
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                           transport_hint: str = "") -> None:
-        self._transfer(target_hostname, TransferRequest.single(OP_READ, buffer, peer_buffer_address, length))
+                           transport_hint: str = "") -> int:
+        return self._transfer(target_hostname, TransferRequest.single(OP_READ, buffer, peer_buffer_address, length))
 
-    @_returns_code
+    @_code
     def batch_transfer_sync_write(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
-                                  transport_hint: str = "") -> None:
-        self._transfer(target_hostname, TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
+                                  transport_hint: str = "") -> int:
+        return self._transfer(target_hostname, TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
 
-    @_returns_code
+    @_code
     def batch_transfer_sync_read(self, target_hostname: str, buffers: Sequence[int],
                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
-                                 transport_hint: str = "") -> None:
-        self._transfer(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
+                                 transport_hint: str = "") -> int:
+        return self._transfer(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
+
+    @_code
+    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
+                      opcode: int, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+        return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
+
+    @_code
+    def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
+                            peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
+                            notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+        from .engine import _opcode
+
+        req = TransferRequest.build(_opcode(opcode), buffers, peer_buffer_addresses, lengths)
+        self._transfer(target_hostname, req)
+        if notify is not None:
+            self._run(self._engine.send_notify(target_hostname, notify))
+        return 0
 
     def _session(self, target: str) -> Session:
         sessions = self._engine._require_sessions()
@@ -198,11 +262,11 @@ class TransferEngine:
             session = self._run(sessions.get(target))
         return session
 
-    def _transfer(self, target: str, req: TransferRequest) -> None:
+    def _transfer(self, target: str, req: TransferRequest) -> int:
         if not self._initialized:
             raise errors.EngineStateError("engine not initialized")
         if req.count == 0:
-            return
+            return 0
         session = self._session(target)
         config = self._engine.config
         rc, why = req.run(session, config)
@@ -211,3 +275,105 @@ class TransferEngine:
             rc, why = req.run(session, config)
         if rc != 0:
             raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+        return 0
+
+    # ------------------------------------------------------------------ asynchronous batches
+
+    @_on_failure(0)
+    def batch_transfer_async_write(self, target_hostname: str, buffers: Sequence[int],
+                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
+                                   transport_hint: str = "") -> int:
+        return self._run(self._engine.batch_transfer_async_write(target_hostname, buffers, peer_buffer_addresses,
+                                                                 lengths))
+
+    @_on_failure(0)
+    def batch_transfer_async_read(self, target_hostname: str, buffers: Sequence[int],
+                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
+                                  transport_hint: str = "") -> int:
+        return self._run(self._engine.batch_transfer_async_read(target_hostname, buffers, peer_buffer_addresses,
+                                                                lengths))
+
+    @_on_failure(0)
+    def batch_transfer_async(self, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
+                             lengths: Sequence[int], opcode: int, transport_hint: str = "") -> int:
+        return self._run(self._engine.batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths,
+                                                           opcode))
+
+    @_on_failure(0)
+    def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
+                              transport_hint: str = "") -> int:
+        return self._run(self._engine.transfer_submit_write(target_hostname, buffer, peer_buffer_address, length))
+
+    @_on_failure(-1)
+    def get_batch_transfer_status(self, batch_ids: Sequence[int], /) -> int:
+        self._run(self._engine.get_batch_transfer_status(batch_ids), timeout=None)
+        return 0
+
+    def transfer_check_status(self, batch_id: int, /) -> int:
+        """1 completed, 0 in progress, -1 failed, -2 timed out (Mooncake's values)."""
+        try:
+            return self._run(self._engine.transfer_check_status(batch_id))
+        except errors.TransferTimeoutError as exc:
+            log.error("transfer_check_status: %s", exc)
+            return -2
+        except errors.FlagcxMcError as exc:
+            log.error("transfer_check_status: %s", exc)
+            return -1
+
+    # ------------------------------------------------------------------ FlagCX-style low-level API
+
+    @_on_failure(None)
+    def get_conn(self, session_name: str) -> Session:
+        return self._session(session_name)
+
+    def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:
+        """Raises AddressNotRegisteredError when no remote region holds the range."""
+        return self._engine.make_desc(conn, remote_addr, size)
+
+    @_on_failure(0)
+    def write_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                     sizes: Sequence[int]) -> int:
+        return self._run(self._engine.write_vector(conn, local_addrs, descs, sizes))
+
+    @_on_failure(0)
+    def read_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                    sizes: Sequence[int]) -> int:
+        return self._run(self._engine.read_vector(conn, local_addrs, descs, sizes))
+
+    def xfer_status(self, xfer_id: int) -> int:
+        return self.transfer_check_status(xfer_id)
+
+    @_code
+    def write_vector_sync(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                          sizes: Sequence[int]) -> int:
+        self._run(self._engine.write_vector_sync(conn, local_addrs, descs, sizes), timeout=None)
+        return 0
+
+    @_code
+    def read_vector_sync(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
+                         sizes: Sequence[int]) -> int:
+        self._run(self._engine.read_vector_sync(conn, local_addrs, descs, sizes), timeout=None)
+        return 0
+
+    # ------------------------------------------------------------------ segments, probes, notifies
+
+    @_on_failure(0)
+    def get_first_buffer_address(self, segment_name: str, /) -> int:
+        return self._run(self._engine.get_first_buffer_address(segment_name))
+
+    @_code
+    def send_probe(self, peer_server_name: str) -> int:
+        self._run(self._engine.send_probe(peer_server_name))
+        return 0
+
+    def get_notifies(self, /) -> List[TransferNotify]:
+        return self._engine.get_notifies()
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        return 0
+
+    def transfer_write_on_cuda(self, *args: Any, **kwargs: Any) -> None:
+        """Mooncake raises RuntimeError when it cannot; so do we (NotSupportedError is one)."""
+        raise errors.NotSupportedError("the *_on_cuda methods need the CUDA data path, which this build lacks")
+
+    transfer_read_on_cuda = batch_transfer_write_on_cuda = batch_transfer_read_on_cuda = transfer_write_on_cuda

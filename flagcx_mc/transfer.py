@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Tuple
 
 from . import errors
-from ._core import OP_READ, OP_WRITE, u64_array
+from ._core import OP_READ, OP_WRITE, CoreBatch, u64_array
 from .config import EngineConfig
 
 __all__ = ["TransferRequest", "needs_refresh", "OP_READ", "OP_WRITE"]
@@ -57,6 +57,10 @@ class TransferRequest:
         """Move the bytes (blocking, GIL released); returns (rc, reason)."""
         timeout_ms = int(config.timeout_for(self.total_bytes) * 1000)
         return session.peer.transfer(self.opcode, self.count, self.local, self.remote, self.lengths, timeout_ms)
+
+    def submit(self, session) -> CoreBatch:
+        """Start the transfer without waiting (raises for ranges outside registered memory)."""
+        return session.peer.submit(self.opcode, self.count, self.local, self.remote, self.lengths)
 
 
 def opcode_name(opcode: int) -> str:

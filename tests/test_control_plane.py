@@ -27,7 +27,7 @@ async def test_probe_notify_connection(engine):
     assert await request("127.0.0.1", port, MessageType.PROBE, {}) == {"status": "success"}
     assert await request("127.0.0.1", port, MessageType.NOTIFY, {"name": "req-1", "notify_msg": "done"}) == {
         "name": "", "notify_msg": "success"}
-    assert engine.get_notifies() == [("req-1", "done")]
+    assert [(n.name, n.msg) for n in engine.get_notifies()] == [("req-1", "done")]
     assert engine.get_notifies() == []
     reply = await request("127.0.0.1", port, MessageType.CONNECTION, {"payload": ""})
     assert reply["reply_msg"] == "" and reply["qp_num"] == []

@@ -1,0 +1,81 @@
+"""This engine's own segment: the descriptor it publishes and the handshake messages it answers."""
+
+from __future__ import annotations
+
+import os
+from typing import Deque, Dict
+
+from . import errors
+from ._core import CoreEngine
+from .handshake.codec import Message, MessageType
+from .handshake.server import Handler
+from .metadata import BufferDesc, NativeInfo, RegionDesc, SegmentDesc
+from .names import TransferNotify
+
+__all__ = ["LocalSegment", "NATIVE_VERSION"]
+
+NATIVE_VERSION = 1
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class LocalSegment:
+    """Builds the segment descriptor from the core's registry; serves Metadata/Probe/Notify."""
+
+    def __init__(self, core: CoreEngine, notifies: Deque[TransferNotify]) -> None:
+        self._core = core
+        self._notifies = notifies
+        self._boot_id = _boot_id()
+        self.name = ""
+
+    def desc(self) -> SegmentDesc:
+        table = self._core.region_table()
+        return SegmentDesc(
+            name=self.name,
+            protocol="tcp",
+            tcp_data_port=self._core.data_port,
+            tcp_proto_version=2,
+            buffers=tuple(BufferDesc(name=self.name, addr=a, length=n) for a, n, _ in table),
+            native=NativeInfo(
+                version=NATIVE_VERSION,
+                data_port=self._core.data_port,
+                regions=tuple(RegionDesc(addr=a, length=n, key=k) for a, n, k in table),
+                boot_id=self._boot_id,
+                pid=os.getpid(),
+            ),
+        )
+
+    def desc_json(self) -> dict:
+        return self.desc().to_json_dict()
+
+    def handlers(self) -> Dict[MessageType, Handler]:
+        return {
+            MessageType.METADATA: self._on_metadata,
+            MessageType.PROBE: self._on_probe,
+            MessageType.NOTIFY: self._on_notify,
+            MessageType.CONNECTION: self._on_connection,
+        }
+
+    async def _on_metadata(self, message: Message) -> dict:
+        return self.desc_json()
+
+    async def _on_probe(self, message: Message) -> dict:
+        return {"status": "success"}
+
+    async def _on_notify(self, message: Message) -> dict:
+        name, msg = message.payload.get("name"), message.payload.get("notify_msg")
+        if not isinstance(name, str) or not isinstance(msg, str):
+            raise errors.MalformedJsonError("notify needs string 'name' and 'notify_msg'")
+        self._notifies.append(TransferNotify(name, msg))
+        return {"name": "", "notify_msg": "success"}
+
+    async def _on_connection(self, message: Message) -> dict:
+        # What Mooncake's TCP transport answers: an all-empty endpoint descriptor.
+        return {"local_gid": "", "local_lid": 0, "local_nic_path": "", "payload": "", "peer_nic_path": "",
+                "qp_num": [], "reply_msg": ""}
