@@ -83,9 +83,10 @@ int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
     for (int i = 0; i < n; i++) {
         if (lens[i] == 0)
             continue;
-        if (!fmc_local_range_ok(p->engine, local[i], lens[i])) {
-            fmc_set_error("local range [0x%llx, +%llu) (entry %d) is not inside one registered region",
-                          (unsigned long long)local[i], (unsigned long long)lens[i], i);
+        if (!fmc_local_range_ok(p->engine, local[i], lens[i], opcode == FMC_OP_READ)) {
+            fmc_set_error("local range [0x%llx, +%llu) (entry %d) is not inside one registered%s region",
+                          (unsigned long long)local[i], (unsigned long long)lens[i], i,
+                          opcode == FMC_OP_READ ? " writable" : "");
             free(keys);
             return FMC_ERR_ADDRESS_NOT_REGISTERED;
         }
@@ -211,7 +212,8 @@ int fmc_batch_cancel(fmc_batch *b)
         st->pending = keep;
         /* Slices on the wire may still read or write our memory: only cutting the stream stops
          * that, and the stream's exit path then finishes them. */
-        int cut = (st->receiving && st->receiving->batch == b) || slice_list_has_batch(st->inflight.head, b);
+        int cut = (st->receiving && st->receiving->batch == b) || slice_list_has_batch(st->inflight.head, b) ||
+                  slice_list_has_batch(st->answered.head, b); /* answered, but sendmsg still reads it */
         pthread_mutex_unlock(&st->mu);
         if (cut)
             fmc_stream_kill(st);

@@ -41,6 +41,8 @@ void fmc_engine_log(fmc_engine *e, const char *fmt, ...)
 
 int fmc_engine_drain_log(fmc_engine *e, char *buf, int cap)
 {
+    if (!buf || cap <= 0) /* a negative cap would become a huge memcpy length */
+        return 0;
     pthread_mutex_lock(&e->log_mu);
     int n = e->log_len < cap ? e->log_len : cap;
     memcpy(buf, e->log, (size_t)n);
@@ -153,8 +155,9 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
     if (rc != FMC_OK)
         return rc;
     uint32_t key = random_key();
+    int writable = fmc_range_writable(addr, len); /* read-only regions serve reads only */
     pthread_mutex_lock(&e->mu);
-    rc = fmc_registry_add(&e->reg, addr, len, key);
+    rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     pthread_mutex_unlock(&e->mu);
     if (rc == FMC_OK && key_out)
         *key_out = key;
@@ -210,10 +213,11 @@ int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *k
     return n;
 }
 
-int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len)
+int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write)
 {
     pthread_mutex_lock(&e->mu);
-    int ok = fmc_registry_find(&e->reg, addr, len) != NULL;
+    fmc_region *r = fmc_registry_find(&e->reg, addr, len);
+    int ok = r != NULL && (!need_write || r->writable); /* a read lands with memcpy: needs write */
     pthread_mutex_unlock(&e->mu);
     return ok;
 }

@@ -54,6 +54,7 @@ typedef struct fmc_region {
     uint32_t key;
     int refs;     /* remote operations currently touching the region */
     int removed;  /* unregistered: no new pins */
+    int writable; /* mapped writable when registered; remote writes to others are refused */
 } fmc_region;
 
 typedef struct {
@@ -63,10 +64,12 @@ typedef struct {
 
 /* Returns the region that wholly holds [addr, addr+len), or NULL.  Caller holds engine->mu. */
 fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len);
-int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key);
+int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key, int writable);
 fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr);
 void fmc_registry_free(fmc_registry *reg);
 int fmc_check_mapped(uint64_t addr, uint64_t len);
+/* 1 if every page of [addr, addr+len) is mapped writable (per /proc/self/maps), else 0. */
+int fmc_range_writable(uint64_t addr, uint64_t len);
 
 /* ---------------------------------------------------------------- server (fmc_server.c) */
 typedef struct fmc_server_conn {
@@ -99,7 +102,7 @@ struct fmc_engine {
 
 void fmc_engine_log(fmc_engine *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void *fmc_server_accept_main(void *arg);
-int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len);
+int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write);
 
 /* ---------------------------------------------------------------- batches and peers */
 typedef struct fmc_slice {
@@ -108,6 +111,12 @@ typedef struct fmc_slice {
     uint64_t local, remote, len, id;
     uint32_t key;
     int task;
+    /* Guarded by the owning stream's mu.  `sending`: a write slice inside the sender's current
+     * sendmsg (its memory may still be read).  An answer that arrives meanwhile is parked on the
+     * stream's `answered` list with its status, and the sender finishes the slice once sendmsg
+     * returns: a target that answers before taking every byte must not end the batch early. */
+    int sending;
+    int answer_status;
 } fmc_slice;
 
 typedef struct {
@@ -139,6 +148,7 @@ typedef struct fmc_stream {
     fmc_slice_list pending;   /* queued, not yet sent */
     fmc_slice_list inflight;  /* sent (or being sent), answer not yet consumed */
     fmc_slice *receiving;     /* answer being read into local memory */
+    fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int dead;
     int threads_alive;
     int started;

@@ -62,10 +62,21 @@ static void stream_thread_exit(fmc_stream *st)
     }
     pthread_cond_broadcast(&st->cv);
     if (--st->threads_alive == 0) {
+        /* Neither thread uses the socket any more: close it now, abortively.  After shutdown()
+         * the receiver drains what is queued and a plain close() then sends only a FIN while our
+         * window stays shut, which leaves a target blocked in sendmsg (read answers) on a
+         * CLOSE-WAIT socket for minutes; the RST ends it at once.  kill/close read fd under mu. */
+        if (st->fd >= 0) {
+            struct linger lg = {.l_onoff = 1, .l_linger = 0};
+            setsockopt(st->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+            close(st->fd);
+            st->fd = -1;
+        }
         if (st->receiving)
             list_push(&left, st->receiving);
         st->receiving = NULL;
         list_append(&left, &st->inflight);
+        list_append(&left, &st->answered); /* empty in practice: the sender drains it */
         list_append(&left, &st->pending);
     }
     pthread_mutex_unlock(&st->mu);
@@ -100,6 +111,7 @@ void *fmc_stream_send_main(void *arg)
     fmc_stream *st = arg;
     uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
     struct iovec iov[FMC_IOV_MAX];
+    fmc_slice *writes[FMC_IOV_MAX / 2]; /* write slices of the current sendmsg */
     pthread_mutex_lock(&st->mu);
     for (;;) {
         while (!st->dead && !st->pending.head)
@@ -108,7 +120,7 @@ void *fmc_stream_send_main(void *arg)
             break;
         /* Gather queued slices into one sendmsg; they move to `inflight` before the first byte
          * leaves, because their answers may come back before sendmsg returns. */
-        int niov = 0, nh = 0;
+        int niov = 0, nh = 0, nw = 0;
         size_t bytes = 0;
         while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
             fmc_slice *s = st->pending.head;
@@ -125,11 +137,28 @@ void *fmc_stream_send_main(void *arg)
             if (is_write) {
                 iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
                 bytes += s->len;
+                s->sending = 1;
+                writes[nw++] = s;
             }
         }
         pthread_mutex_unlock(&st->mu);
         int rc = fmc_sendv_all(st->fd, iov, niov);
         pthread_mutex_lock(&st->mu);
+        /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
+         * set, so the pointers are still valid; the ones already answered are ours to finish. */
+        for (int i = 0; i < nw; i++)
+            writes[i]->sending = 0;
+        if (st->answered.head) {
+            fmc_slice *s = st->answered.head;
+            st->answered.head = st->answered.tail = NULL;
+            pthread_mutex_unlock(&st->mu);
+            while (s) {
+                fmc_slice *next = s->next;
+                fmc_slice_finish(s, s->answer_status);
+                s = next;
+            }
+            pthread_mutex_lock(&st->mu);
+        }
         if (rc < 0)
             break;
     }
@@ -180,6 +209,14 @@ void *fmc_stream_recv_main(void *arg)
                 break; /* `receiving` stays set: the exit path fails it */
             pthread_mutex_lock(&st->mu);
             st->receiving = NULL;
+        }
+        if (s->sending) {
+            /* Answered while sendmsg may still read its bytes (a target that answers early, or
+             * one whose answer overtook the end of a long gather): the sender finishes it. */
+            s->answer_status = remote_status(a.status);
+            list_push(&st->answered, s);
+            pthread_mutex_unlock(&st->mu);
+            continue;
         }
         pthread_mutex_unlock(&st->mu);
         fmc_slice_finish(s, remote_status(a.status));

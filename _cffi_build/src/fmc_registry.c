@@ -3,6 +3,7 @@
  * that unregister can wait until nobody does. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -39,7 +40,7 @@ fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len)
     return r;
 }
 
-int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key)
+int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key, int writable)
 {
     if (len == 0 || addr + len < addr) {
         fmc_set_error("invalid region [0x%llx, +%llu)", (unsigned long long)addr,
@@ -69,6 +70,7 @@ int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t ke
     r->addr = addr;
     r->len = len;
     r->key = key;
+    r->writable = writable;
     int pos = i + 1;
     memmove(reg->items + pos + 1, reg->items + pos, (size_t)(reg->count - pos) * sizeof *reg->items);
     reg->items[pos] = r;
@@ -123,4 +125,33 @@ int fmc_check_mapped(uint64_t addr, uint64_t len)
     }
     free(vec);
     return rc;
+}
+
+/* A remote write lands with memcpy (the buffered part of its payload), so a region mapped
+ * read-only (say a PROT_READ file mapping registered to serve reads) would crash this process
+ * with SIGSEGV on the first remote write.  Walk /proc/self/maps once, at registration, and
+ * require the whole range to be covered by writable mappings. */
+int fmc_range_writable(uint64_t addr, uint64_t len)
+{
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f)
+        return 1; /* cannot tell (no /proc): keep the old behaviour rather than refuse all writes */
+    uint64_t want = addr, end = addr + len; /* caller checked that it does not wrap */
+    char line[512];
+    while (want < end && fgets(line, sizeof line, f)) {
+        unsigned long long lo, hi;
+        char perms[8];
+        if (sscanf(line, "%llx-%llx %7s", &lo, &hi, perms) != 3)
+            continue;
+        size_t n = strlen(line);
+        while (n && line[n - 1] != '\n' && fgets(line, sizeof line, f)) /* skip a long path */
+            n = strlen(line);
+        if (hi <= want)
+            continue;
+        if (lo > want || perms[1] != 'w')
+            break; /* a hole or a non-writable map inside the range (maps are sorted) */
+        want = hi;
+    }
+    fclose(f);
+    return want >= end;
 }

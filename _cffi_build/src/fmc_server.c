@@ -29,13 +29,14 @@ typedef struct {
     int nread_pins;
 } conn_state;
 
-/* Pin the region that holds [addr, addr+len) under `key`, or return NULL. */
-static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, uint32_t key)
+/* Pin the region that holds [addr, addr+len) under `key`, or return NULL.  A write also needs a
+ * region that was mapped writable when registered (else the memcpy into it would crash us). */
+static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, uint32_t key, int for_write)
 {
     fmc_engine *e = cs->e;
     pthread_mutex_lock(&e->mu);
     fmc_region *r = fmc_registry_find(&e->reg, addr, len);
-    if (r && (r->key != key || r->removed || cs->c->npins >= FMC_MAX_PINS))
+    if (r && (r->key != key || r->removed || cs->c->npins >= FMC_MAX_PINS || (for_write && !r->writable)))
         r = NULL;
     if (r) {
         r->refs++;
@@ -96,9 +97,10 @@ static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data
 static void refuse(conn_state *cs, const fmc_req *q)
 {
     cs->e->stat_refused++;
-    fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key",
+    fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key%s",
                    q->opcode == FMC_WIRE_OP_WRITE ? "write" : "read", (unsigned long long)q->len,
-                   (unsigned long long)q->addr, q->key);
+                   (unsigned long long)q->addr, q->key,
+                   q->opcode == FMC_WIRE_OP_WRITE ? " (or the region is read-only)" : "");
 }
 
 static int handshake(conn_state *cs)
@@ -148,7 +150,7 @@ static void serve(conn_state *cs)
                            q.opcode, (unsigned long long)q.len);
             break;
         }
-        fmc_region *r = pin(cs, q.addr, q.len, q.key);
+        fmc_region *r = pin(cs, q.addr, q.len, q.key, q.opcode == FMC_WIRE_OP_WRITE);
         if (q.opcode == FMC_WIRE_OP_WRITE) {
             int rc;
             if (r) {
@@ -195,9 +197,11 @@ static void *conn_main(void *arg)
     if (c->next)
         c->next->prev = c->prev;
     e->nconns--;
+    /* Closed under mu, once unlinked: nobody can shutdown() this fd number any more, and
+     * fmc_engine_destroy returns only after every data socket is really closed. */
+    close(c->fd);
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
-    close(c->fd);
     fmc_reader_free(&cs->rd);
     free(c);
     free(cs);
