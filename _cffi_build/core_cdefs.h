@@ -16,6 +16,7 @@ enum {
 };
 
 enum { FMC_OP_READ = 0, FMC_OP_WRITE = 1 };
+enum { FMC_PROTO_NATIVE = 0, FMC_PROTO_MOONCAKE = 2 };
 enum { FMC_TASK_PENDING = 1 };
 
 typedef struct fmc_engine fmc_engine;
@@ -41,6 +42,7 @@ int fmc_data_header_size(void);
 int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out);
 int fmc_engine_data_port(fmc_engine *engine);
 void fmc_engine_destroy(fmc_engine *engine);
+void fmc_engine_accept_mooncake_wire(fmc_engine *engine, int accept);
 void fmc_engine_get_stats(fmc_engine *engine, fmc_stats *out);
 int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
 
@@ -54,6 +56,7 @@ int fmc_peer_set_regions(fmc_peer *peer, const uint64_t *addrs, const uint64_t *
                          const uint32_t *keys, int n);
 int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *base_out,
                          uint32_t *key_out);
+int fmc_peer_set_protocol(fmc_peer *peer, int proto);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);
 void fmc_peer_close(fmc_peer *peer);
@@ -68,3 +71,4 @@ int fmc_batch_cancel(fmc_batch *batch);
 void fmc_batch_free(fmc_batch *batch);
 int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms);
+

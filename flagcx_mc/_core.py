@@ -23,6 +23,8 @@ __all__ = ["CoreEngine", "CorePeer", "CoreBatch", "OP_READ", "OP_WRITE", "core_v
 
 log = logging.getLogger("flagcx_mc.core")
 
+PROTO_NATIVE: int = lib.FMC_PROTO_NATIVE
+PROTO_MOONCAKE: int = lib.FMC_PROTO_MOONCAKE
 OP_READ: int = lib.FMC_OP_READ
 OP_WRITE: int = lib.FMC_OP_WRITE
 TASK_PENDING: int = lib.FMC_TASK_PENDING
@@ -116,6 +118,10 @@ class CoreEngine:
             return []
         return ffi.unpack(buf, n).decode(errors="replace").splitlines()
 
+    def accept_mooncake_wire(self, accept: bool) -> None:
+        """Serve Mooncake's key-less TCP framing on the data port (on by default)."""
+        lib.fmc_engine_accept_mooncake_wire(self._ptr, int(accept))
+
     def close(self) -> None:
         if self._ptr is not None:
             for line in self.drain_log():
@@ -152,6 +158,10 @@ class CorePeer:
                 f"[{addr:#x}, +{length}) is not inside one region registered by {self.host}"
             )
         return int(base[0]), int(key[0])
+
+    def set_protocol(self, proto: int) -> None:
+        """Speak Mooncake's TCP framing (``PROTO_MOONCAKE``) instead of ours; before ``connect``."""
+        _raise_for(lib.fmc_peer_set_protocol(self._ptr, proto))
 
     def connect(self, timeout_ms: int) -> None:
         """Open every data stream (blocking; run it off the event loop)."""

@@ -49,14 +49,22 @@ class _Node:
         self.engine: Optional[Any] = None
         self.regions: List[_Region] = []
 
-    def init(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None) -> dict:
-        self.engine = self.engine_cls(**(config or {}))
+    def init(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
+             engine: str = "flagcx_mc") -> dict:
+        """Start the engine: ours, or (``engine="mooncake"``) Mooncake's own, for interop and baselines."""
+        if engine == "mooncake":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+            from mooncake.engine import TransferEngine as MooncakeEngine
+
+            self.engine = MooncakeEngine()
+        else:
+            self.engine = self.engine_cls(**(config or {}))
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise RuntimeError("initialize failed")
         for size in regions:
             self.add_region(size)
-        return {"session": self.engine.session_name, "pid": os.getpid(),
-                "regions": [[r.addr, r.size] for r in self.regions]}
+        session = f"{host}:{self.engine.get_rpc_port()}"
+        return {"session": session, "pid": os.getpid(), "regions": [[r.addr, r.size] for r in self.regions]}
 
     def add_region(self, size: int, register: bool = True) -> dict:
         region = _Region(size)
@@ -108,8 +116,9 @@ class _Node:
         return self.engine.stats()
 
     def exit(self) -> dict:
-        if self.engine is not None:
-            self.engine.close()
+        close = getattr(self.engine, "close", None)  # Mooncake's engine closes in its destructor
+        if close is not None:
+            close()
         return {}
 
 
@@ -146,7 +155,7 @@ class NodeProcess:
 
     def __init__(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
                  env: Optional[Dict[str, str]] = None, start_timeout: float = 30.0,
-                 argv_prefix: Optional[List[str]] = None) -> None:
+                 argv_prefix: Optional[List[str]] = None, engine: str = "flagcx_mc") -> None:
         child_env = dict(os.environ)
         child_env.update(env or {})
         # Start in the directory that holds this very package, so the child imports the same
@@ -158,7 +167,8 @@ class NodeProcess:
             cwd=package_parent,
         )
         try:
-            info = self.call("init", timeout=start_timeout, host=host, regions=list(regions), config=config)
+            info = self.call("init", timeout=start_timeout, host=host, regions=list(regions), config=config,
+                             engine=engine)
         except BaseException:
             self.kill()
             raise

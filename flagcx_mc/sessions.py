@@ -12,10 +12,10 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import errors
-from ._core import CoreEngine, CorePeer
+from ._core import PROTO_MOONCAKE, CoreEngine, CorePeer
 from .config import EngineConfig
 from .handshake.codec import MessageType
 from .handshake.server import request
@@ -110,11 +110,22 @@ class SessionCache:
             host, port, MessageType.METADATA, self._local_desc(), timeout=self._config.handshake_timeout
         )
         desc = SegmentDesc.from_json_dict(reply)
-        if desc.native is None:
-            raise errors.NotSupportedError(
-                f"{name} is not a flagcx_mc engine (protocol {desc.protocol!r}); this build talks only to flagcx_mc peers"
-            )
+        self._check_peer_kind(name, desc)
         return desc
+
+    @staticmethod
+    def _check_peer_kind(name: str, desc: SegmentDesc) -> None:
+        """A flagcx_mc peer, or a plain Mooncake TCP node speaking v2 (v1 never confirms a write)."""
+        if desc.native is not None:
+            return
+        if desc.protocol != "tcp" or not desc.tcp_data_port:
+            raise errors.NotSupportedError(
+                f"{name} offers protocol {desc.protocol!r}; only flagcx_mc and Mooncake TCP peers are supported"
+            )
+        if desc.tcp_proto_version < 2:
+            raise errors.NotSupportedError(
+                f"{name} speaks Mooncake TCP v1, which reports writes done before they land; need v2 (Mooncake >= 0.3.12)"
+            )
 
     async def _open_session(self, name: str) -> Session:
         try:
@@ -128,23 +139,37 @@ class SessionCache:
         await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
         session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer)
         self._open[name] = session
-        log.debug("session %s open: %d regions, data port %d", name, len(desc.native.regions), desc.native.data_port)
+        log.debug("session %s open (%s): %d regions", name, "flagcx_mc" if desc.native else "Mooncake TCP",
+                  len(desc.buffers))
         return session
 
     def _new_peer(self, host: str, desc: SegmentDesc) -> CorePeer:
-        assert desc.native is not None
-        peer = CorePeer(
-            self._core, host, desc.native.data_port, self._config.streams_per_peer, self._config.slice_size
-        )
-        peer.set_regions([(r.addr, r.length, r.key) for r in desc.native.regions])
+        data_port = desc.native.data_port if desc.native else desc.tcp_data_port
+        peer = CorePeer(self._core, host, data_port, self._config.streams_per_peer, self._config.slice_size)
+        if desc.native is None:
+            peer.set_protocol(PROTO_MOONCAKE)
+        peer.set_regions(_regions(desc))
         return peer
 
     async def _refresh(self, name: str, stale: Session) -> Session:
         desc = await self._fetch_desc(stale.host, stale.rpc_port, name)
-        assert desc.native is not None and stale.desc.native is not None
-        if desc.native.data_port != stale.desc.native.data_port or desc.native.pid != stale.desc.native.pid:
+        if _identity(desc) != _identity(stale.desc):
             self.evict(name, stale, "the peer restarted")
             return await self.get(name)
-        stale.peer.set_regions([(r.addr, r.length, r.key) for r in desc.native.regions])
+        stale.peer.set_regions(_regions(desc))
         stale.desc = desc
         return stale
+
+
+def _regions(desc: SegmentDesc) -> List[Tuple[int, int, int]]:
+    """(addr, length, key) of every remote region; Mooncake peers have no keys (0)."""
+    if desc.native is not None:
+        return [(r.addr, r.length, r.key) for r in desc.native.regions]
+    return [(b.addr, b.length, 0) for b in desc.buffers]
+
+
+def _identity(desc: SegmentDesc) -> tuple:
+    """What changes when the peer process behind a name is replaced."""
+    if desc.native is not None:
+        return ("native", desc.native.data_port, desc.native.pid, desc.native.boot_id)
+    return ("mooncake", desc.tcp_data_port)

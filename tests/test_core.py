@@ -99,8 +99,15 @@ def test_data_port_refuses_hostile_requests(core):
         def req(op, key, addr, length, ident=1):
             return struct.pack("<BBHIQQQ", op, 0, 0, key, ident, addr, length)
 
-        # Wrong magic: the server answers no data and closes.
-        assert _raw_data_conn(core, b"GARBAGE!" + bytes(8)) == b"FMCNATOK" + struct.pack("<iI", -106, 0)
+        # Wrong magic: read as a Mooncake header, a truncated one; nothing is answered.
+        assert _raw_data_conn(core, b"GARBAGE!" + bytes(8)) == b""
+        # With Mooncake's framing turned off: garbage is dropped, a Mooncake v2 write is rejected.
+        core.accept_mooncake_wire(False)
+        assert _raw_data_conn(core, b"GARBAGE!" + bytes(8)) == b""
+        mooncake_write = struct.pack("<QQB7x", 4, buf.addr + 4096, 0x81) + b"evil"
+        assert _raw_data_conn(core, mooncake_write) == struct.pack("<Q", 0x4D43545600000001)
+        assert buf.read(4096, 4) == b"\x5a" * 4
+        core.accept_mooncake_wire(True)
         cases = [
             req(1, key ^ 1, buf.addr + 4096, 16) + b"x" * 16,          # wrong key
             req(1, key, buf.addr, 16) + b"x" * 16,                     # outside (guard page)

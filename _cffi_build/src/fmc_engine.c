@@ -66,6 +66,7 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
     pthread_mutex_init(&e->log_mu, NULL);
     fmc_cond_init_monotonic(&e->cv);
     e->wake_pipe[0] = e->wake_pipe[1] = -1;
+    e->accept_mooncake_wire = 1;
     int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);
     if (fd < 0) {
         free(e);
@@ -88,6 +89,13 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
 }
 
 int fmc_engine_data_port(fmc_engine *e) { return e->data_port; }
+
+void fmc_engine_accept_mooncake_wire(fmc_engine *e, int accept)
+{
+    pthread_mutex_lock(&e->mu);
+    e->accept_mooncake_wire = accept != 0;
+    pthread_mutex_unlock(&e->mu);
+}
 
 void fmc_engine_destroy(fmc_engine *e)
 {

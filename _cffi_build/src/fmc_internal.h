@@ -92,6 +92,7 @@ struct fmc_engine {
     int wake_pipe[2];
     pthread_t accept_thread;
     int stopping;
+    int accept_mooncake_wire; /* serve Mooncake's TCP framing on the data port too */
     atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
@@ -160,6 +161,7 @@ struct fmc_peer {
     char host[256];
     int data_port;
     int nstreams;
+    int proto;                /* FMC_PROTO_NATIVE or FMC_PROTO_MOONCAKE (v2) */
     uint64_t slice_size;
     pthread_mutex_t mu;       /* remote table, state */
     uint64_t *r_addr, *r_len;

@@ -106,6 +106,20 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
     return FMC_OK;
 }
 
+/* One request header in the peer's framing; returns its length. */
+static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_t out[FMC_REQ_SIZE])
+{
+    if (proto == FMC_PROTO_MOONCAKE) {
+        uint8_t op = (uint8_t)((is_write ? FMC_MC_OP_WRITE : FMC_MC_OP_READ) | FMC_MC_V2_FLAG);
+        fmc_mc_hdr_encode(out, s->len, s->remote, op);
+        return FMC_MC_HDR_SIZE;
+    }
+    fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ,
+                 .key = s->key, .id = s->id, .addr = s->remote, .len = s->len};
+    fmc_req_encode(out, &q);
+    return FMC_REQ_SIZE;
+}
+
 void *fmc_stream_send_main(void *arg)
 {
     fmc_stream *st = arg;
@@ -129,11 +143,9 @@ void *fmc_stream_send_main(void *arg)
                 st->pending.tail = NULL;
             list_push(&st->inflight, s);
             int is_write = s->batch->opcode == FMC_OP_WRITE;
-            fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ,
-                         .key = s->key, .id = s->id, .addr = s->remote, .len = s->len};
-            fmc_req_encode(hdr[nh], &q);
-            iov[niov++] = (struct iovec){.iov_base = hdr[nh++], .iov_len = FMC_REQ_SIZE};
-            bytes += FMC_REQ_SIZE;
+            size_t hlen = encode_request(st->peer->proto, s, is_write, hdr[nh]);
+            iov[niov++] = (struct iovec){.iov_base = hdr[nh++], .iov_len = hlen};
+            bytes += hlen;
             if (is_write) {
                 iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
                 bytes += s->len;
@@ -174,6 +186,28 @@ static int remote_status(int32_t status)
     return FMC_ERR_SOCKET;
 }
 
+/* The next answer header in the peer's framing; -1 on EOF or an impossible status. */
+static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
+{
+    if (proto == FMC_PROTO_MOONCAKE) {
+        if (fmc_reader_fill(rd, FMC_MC_STATUS_SIZE) < 0)
+            return -1;
+        uint64_t v = fmc_get64(rd->buf + rd->start);
+        rd->start += FMC_MC_STATUS_SIZE;
+        if (v != FMC_MC_STATUS_OK && v != FMC_MC_STATUS_REJECTED)
+            return -1;
+        a->id = 0;
+        a->len = 0;
+        a->status = v == FMC_MC_STATUS_OK ? FMC_OK : FMC_ERR_REMOTE_REFUSED;
+        return 0;
+    }
+    if (fmc_reader_fill(rd, FMC_RESP_SIZE) < 0)
+        return -1;
+    fmc_resp_decode(rd->buf + rd->start, a);
+    rd->start += FMC_RESP_SIZE;
+    return 0;
+}
+
 void *fmc_stream_recv_main(void *arg)
 {
     fmc_stream *st = arg;
@@ -184,13 +218,16 @@ void *fmc_stream_recv_main(void *arg)
         return NULL;
     }
     for (;;) {
-        if (fmc_reader_fill(&rd, FMC_RESP_SIZE) < 0)
-            break;
         fmc_resp a;
-        fmc_resp_decode(rd.buf + rd.start, &a);
-        rd.start += FMC_RESP_SIZE;
+        if (read_answer(st->peer->proto, &rd, &a) < 0)
+            break;
         pthread_mutex_lock(&st->mu);
         fmc_slice *s = st->inflight.head;
+        if (s && st->peer->proto == FMC_PROTO_MOONCAKE) {
+            /* Mooncake answers carry no id: in-order delivery is the match. */
+            a.id = s->id;
+            a.len = s->batch->opcode == FMC_OP_READ && a.status == FMC_OK ? s->len : 0;
+        }
         int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
         int bad = !s || s->id != a.id || a.len != (carries_data ? s->len : 0);
         if (bad) {
@@ -376,6 +413,24 @@ static int read_preamble_reply(int fd, int timeout_ms)
     return memcmp(reply, FMC_MAGIC_OK, 8) == 0 && fmc_get32(reply + 8) == 0 ? 0 : -2;
 }
 
+int fmc_peer_set_protocol(fmc_peer *p, int proto)
+{
+    if (proto != FMC_PROTO_NATIVE && proto != FMC_PROTO_MOONCAKE) {
+        fmc_set_error("unknown data-plane protocol %d", proto);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    pthread_mutex_lock(&p->mu);
+    int connected = p->connected;
+    if (!connected)
+        p->proto = proto;
+    pthread_mutex_unlock(&p->mu);
+    if (connected) {
+        fmc_set_error("the protocol of a connected peer cannot change");
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    return FMC_OK;
+}
+
 int fmc_peer_connect(fmc_peer *p, int timeout_ms)
 {
     pthread_mutex_lock(&p->mu);
@@ -404,7 +459,9 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
         fmc_put32(hello + 8, FMC_WIRE_VERSION);
         left = deadline - fmc_now_ms();
         int pr = -1;
-        if (left > 0 && fmc_send_all(fd, hello, sizeof hello) == 0)
+        if (p->proto == FMC_PROTO_MOONCAKE)
+            pr = 0; /* Mooncake's framing has no preamble */
+        else if (left > 0 && fmc_send_all(fd, hello, sizeof hello) == 0)
             pr = read_preamble_reply(fd, (int)(left > 0 ? left : 1));
         if (pr != 0) {
             close(fd);

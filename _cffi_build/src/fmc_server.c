@@ -29,14 +29,15 @@ typedef struct {
     int nread_pins;
 } conn_state;
 
-/* Pin the region that holds [addr, addr+len) under `key`, or return NULL.  A write also needs a
- * region that was mapped writable when registered (else the memcpy into it would crash us). */
-static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, uint32_t key, int for_write)
+/* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing), or
+ * return NULL.  A write also needs a region that was mapped writable when registered (else the
+ * memcpy into it would crash us). */
+static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
 {
     fmc_engine *e = cs->e;
     pthread_mutex_lock(&e->mu);
     fmc_region *r = fmc_registry_find(&e->reg, addr, len);
-    if (r && (r->key != key || r->removed || cs->c->npins >= FMC_MAX_PINS || (for_write && !r->writable)))
+    if (r && ((key && r->key != *key) || r->removed || cs->c->npins >= FMC_MAX_PINS || (for_write && !r->writable)))
         r = NULL;
     if (r) {
         r->refs++;
@@ -94,19 +95,52 @@ static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data
     }
 }
 
+#define REQ_FLAG_MOONCAKE 0x80 /* local marker: the request came in Mooncake's framing */
+
 static void refuse(conn_state *cs, const fmc_req *q)
 {
     cs->e->stat_refused++;
-    fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key%s",
-                   q->opcode == FMC_WIRE_OP_WRITE ? "write" : "read", (unsigned long long)q->len,
-                   (unsigned long long)q->addr, q->key,
-                   q->opcode == FMC_WIRE_OP_WRITE ? " (or the region is read-only)" : "");
+    const char *what = q->opcode == FMC_WIRE_OP_WRITE ? "write" : "read";
+    const char *ro = q->opcode == FMC_WIRE_OP_WRITE ? " (or the region is read-only)" : "";
+    if (q->flags & REQ_FLAG_MOONCAKE)
+        fmc_engine_log(cs->e, "refused Mooncake-framed %s of %llu bytes at 0x%llx: not inside a registered region%s",
+                       what, (unsigned long long)q->len, (unsigned long long)q->addr, ro);
+    else
+        fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key%s",
+                       what, (unsigned long long)q->len, (unsigned long long)q->addr, q->key, ro);
 }
 
+enum { WIRE_NATIVE = 0, WIRE_MOONCAKE = 1 };
+
+static void set_recv_timeout(int fd, int seconds)
+{
+    struct timeval tv = {.tv_sec = seconds};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+/* The first 8 bytes tell the framing: our preamble's magic, or (anything else) the `size` field
+ * of a Mooncake header.  Returns WIRE_NATIVE / WIRE_MOONCAKE, or -1 to drop the connection. */
 static int handshake(conn_state *cs)
 {
-    struct timeval tv = {.tv_sec = FMC_PREAMBLE_TIMEOUT_MS / 1000};
-    setsockopt(cs->c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    set_recv_timeout(cs->c->fd, FMC_PREAMBLE_TIMEOUT_MS / 1000);
+    if (fmc_reader_fill(&cs->rd, 8) < 0)
+        return -1;
+    if (memcmp(cs->rd.buf + cs->rd.start, FMC_MAGIC_HELLO, 8) != 0) {
+        pthread_mutex_lock(&cs->e->mu);
+        int mooncake = cs->e->accept_mooncake_wire;
+        pthread_mutex_unlock(&cs->e->mu);
+        if (mooncake)
+            return WIRE_MOONCAKE; /* keeps the receive timeout until a whole header arrived */
+        /* Mooncake's framing is off here: a v2 Mooncake initiator gets a rejection it acts on at
+         * once (it would otherwise sit out its own status timeout), anything else a close. */
+        if (fmc_reader_fill(&cs->rd, FMC_MC_HDR_SIZE) == 0 && (cs->rd.buf[cs->rd.start + 16] & FMC_MC_V2_FLAG)) {
+            uint8_t status[FMC_MC_STATUS_SIZE];
+            fmc_put64(status, FMC_MC_STATUS_REJECTED);
+            fmc_send_all(cs->c->fd, status, sizeof status);
+            fmc_engine_log(cs->e, "refused a Mooncake-framed data connection: that framing is turned off");
+        }
+        return -1;
+    }
     if (fmc_reader_fill(&cs->rd, FMC_PREAMBLE_SIZE) < 0)
         return -1;
     const uint8_t *p = cs->rd.buf + cs->rd.start;
@@ -118,16 +152,98 @@ static int handshake(conn_state *cs)
     fmc_put32(reply + 8, (uint32_t)(ok ? 0 : FMC_ERR_REMOTE_REFUSED));
     if (fmc_send_all(cs->c->fd, reply, sizeof reply) < 0 || !ok)
         return -1;
-    tv.tv_sec = 0;
-    setsockopt(cs->c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    return 0;
+    set_recv_timeout(cs->c->fd, 0);
+    return WIRE_NATIVE;
+}
+
+static void queue_mooncake_status(conn_state *cs, int ok, void *data, uint64_t len)
+{
+    uint8_t *h = cs->hdr[cs->nhdr++];
+    fmc_put64(h, ok ? FMC_MC_STATUS_OK : FMC_MC_STATUS_REJECTED);
+    cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_MC_STATUS_SIZE};
+    cs->out_bytes += FMC_MC_STATUS_SIZE;
+    if (data) {
+        cs->iov[cs->niov++] = (struct iovec){.iov_base = data, .iov_len = (size_t)len};
+        cs->out_bytes += len;
+    }
+}
+
+/* A Mooncake initiator (v1 or v2 framing).  Mooncake has no keys: any registered region may be
+ * addressed, which is why engines with a shared secret turn this framing off.  A refused write's
+ * payload is not trusted to follow: v2 gets the rejection frame and the connection closes. */
+static void serve_mooncake(conn_state *cs)
+{
+    fmc_engine *e = cs->e;
+    int first = 1;
+    for (;;) {
+        if (!first && fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE) {
+            if (fmc_reader_try_more(&cs->rd) < 0)
+                break;
+            if (fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE && flush(cs) < 0)
+                break;
+        }
+        if (fmc_reader_fill(&cs->rd, FMC_MC_HDR_SIZE) < 0)
+            break;
+        if (first)
+            set_recv_timeout(cs->c->fd, 0);
+        first = 0;
+        const uint8_t *p = cs->rd.buf + cs->rd.start;
+        uint64_t size = fmc_get64(p), addr = fmc_get64(p + 8);
+        int v2 = (p[16] & FMC_MC_V2_FLAG) != 0, op = p[16] & 0x7f;
+        cs->rd.start += FMC_MC_HDR_SIZE;
+        if (op != FMC_MC_OP_READ && op != FMC_MC_OP_WRITE) {
+            e->stat_protocol_errors++;
+            fmc_engine_log(e, "dropped a Mooncake-framed data connection: bad opcode 0x%02x", p[16]);
+            break;
+        }
+        int is_write = op == FMC_MC_OP_WRITE;
+        fmc_region *r = size ? pin(cs, addr, size, NULL, is_write) : NULL;
+        if (size && !r) {
+            fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ, .flags = REQ_FLAG_MOONCAKE,
+                         .addr = addr, .len = size};
+            refuse(cs, &q);
+            if (v2)
+                queue_mooncake_status(cs, 0, NULL, 0);
+            if (!v2 || is_write)
+                break; /* v1 learns of a refusal only by the close, as from Mooncake itself */
+        } else if (is_write) {
+            int rc = size ? fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)addr, (size_t)size) : 0;
+            if (r)
+                unpin(cs, r);
+            if (rc < 0)
+                break;
+            e->stat_served_in += size;
+            if (v2)
+                queue_mooncake_status(cs, 1, NULL, 0);
+        } else {
+            if (r)
+                cs->read_pins[cs->nread_pins++] = r;
+            if (v2)
+                queue_mooncake_status(cs, 1, size ? (void *)(uintptr_t)addr : NULL, size);
+            else if (size) {
+                cs->iov[cs->niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)addr, .iov_len = (size_t)size};
+                cs->out_bytes += size;
+            }
+            e->stat_served_out += size;
+        }
+        if (cs->niov + 2 > FMC_IOV_MAX || cs->out_bytes >= FMC_FLUSH_BYTES) {
+            if (flush(cs) < 0)
+                break;
+        }
+    }
+    flush(cs);
 }
 
 static void serve(conn_state *cs)
 {
     fmc_engine *e = cs->e;
-    if (handshake(cs) < 0) {
+    int wire = handshake(cs);
+    if (wire < 0) {
         e->stat_protocol_errors++;
+        return;
+    }
+    if (wire == WIRE_MOONCAKE) {
+        serve_mooncake(cs);
         return;
     }
     for (;;) {
@@ -150,7 +266,7 @@ static void serve(conn_state *cs)
                            q.opcode, (unsigned long long)q.len);
             break;
         }
-        fmc_region *r = pin(cs, q.addr, q.len, q.key, q.opcode == FMC_WIRE_OP_WRITE);
+        fmc_region *r = pin(cs, q.addr, q.len, &q.key, q.opcode == FMC_WIRE_OP_WRITE);
         if (q.opcode == FMC_WIRE_OP_WRITE) {
             int rc;
             if (r) {
