@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from .handshake.codec import MessageType
 from .handshake.server import HandshakeServer, request
 from .local_segment import LocalSegment
 from .managed import ManagedPool
+from .metastore import open_store, parse_metadata_server
 from .names import TransferNotify, TransferOpcode
 from .netaddr import format_host_port, parse_host_port, rpc_port_range
+from .resolvers import P2PResolver, StoreResolver
 from .sessions import Session, SessionCache
 from .transfer import OP_READ, OP_WRITE, TransferRequest, needs_refresh, opcode_name
 
@@ -76,7 +79,9 @@ class AsyncTransferEngine:
         self._managed: Optional[ManagedPool] = None
         self._batches = BatchTable()
         self._notifies: Deque[TransferNotify] = collections.deque(maxlen=65536)
+        self._store: Optional[StoreResolver] = None  # set when a metadata server is used
         self._host = ""
+        self._name = ""
         self._rpc_port = 0
         self._closed = False
 
@@ -108,31 +113,39 @@ class AsyncTransferEngine:
         """``initialize`` with Mooncake's ``metadata_type`` (prefixed to a scheme-less server)."""
         if self._core is not None or self._closed:
             raise errors.EngineStateError("engine already initialized" if self._core else "engine closed")
-        if metadata_server != P2P_HANDSHAKE:
-            raise errors.NotSupportedError(
-                f"metadata server {metadata_server!r} is not supported yet; use {P2P_HANDSHAKE!r}"
-            )
+        kind, url = parse_metadata_server(metadata_server, metadata_type)
         if protocol not in ("tcp", ""):
             log.info("protocol %r requested: this build moves data over its native TCP transport", protocol)
-        host, _ = parse_host_port(local_hostname, default_port=12001)  # the port is ignored in P2P mode
+        host, _ = parse_host_port(local_hostname, default_port=12001)  # the port is ignored, as in Mooncake
+        if kind != "p2p":
+            host = await _advertised_host(host)
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._executor = ThreadPoolExecutor(self._config.wait_threads, thread_name_prefix="flagcx-mc-wait")
         low, high = rpc_port_range()
         try:
+            store = open_store(kind, url, timeout=self._config.handshake_timeout) if kind != "p2p" else None
             self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
             self._segment = LocalSegment(self._core, self._notifies)
             self._server = HandshakeServer(self._segment.handlers())
             self._rpc_port = await self._server.start(host, None)
+            self._host = host
+            # P2P: the name is host:rpc_port.  With a metadata server it is local_hostname verbatim.
+            self._name = self.session_name if store is None else local_hostname
+            self._segment.name = self._name
+            if store is None:
+                resolver = P2PResolver(self._segment.desc_json, self._config.handshake_timeout)
+            else:
+                resolver = self._store = StoreResolver(store)
+                await self._store.publish(self._name, host, self._rpc_port, self._segment.desc_json())
         except BaseException:
             await self._teardown()
             raise
-        self._host = host
-        self._segment.name = self.session_name
         self._managed = ManagedPool(self._core.register, self._core.unregister)
-        self._sessions = SessionCache(self._core, self._config, self._executor, self._segment.desc_json)
+        self._sessions = SessionCache(self._core, self._config, self._executor, resolver)
         self._log_task = loop.create_task(self._drain_core_log())
-        log.info("engine %s up (data port %d)", self.session_name, self._core.data_port)
+        log.info("engine %s up (data port %d%s)", self._name, self._core.data_port,
+                 "" if store is None else f", metadata server {url}")
 
     async def close(self) -> None:
         """Close sessions, stop the servers and free the core (idempotent)."""
@@ -142,6 +155,10 @@ class AsyncTransferEngine:
         await self._teardown()
 
     async def _teardown(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            await store.withdraw(self._name)
+            await store.close()
         if self._log_task is not None:
             self._log_task.cancel()
             self._log_task = None
@@ -170,8 +187,9 @@ class AsyncTransferEngine:
 
     @property
     def session_name(self) -> str:
-        """``host:rpc_port``: the name peers pass as ``target_hostname``."""
-        return format_host_port(self._host, self._rpc_port)
+        """The name peers pass as ``target_hostname``: ``host:rpc_port`` in P2P mode, else the
+        ``local_hostname`` given to ``initialize``."""
+        return self._name or format_host_port(self._host, self._rpc_port)
 
     @property
     def config(self) -> EngineConfig:
@@ -202,6 +220,7 @@ class AsyncTransferEngine:
         """
         core = self._require_core()
         await self._in_executor(core.register, buffer_addr, capacity)
+        await self._republish()
 
     async def unregister_memory(self, buffer_addr: int) -> None:
         """Unregister; once this returns no remote operation touches the region.
@@ -211,6 +230,7 @@ class AsyncTransferEngine:
         """
         core = self._require_core()
         await self._in_executor(core.unregister, buffer_addr)
+        await self._republish()
 
     async def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                                     location: str = "*") -> None:
@@ -219,6 +239,7 @@ class AsyncTransferEngine:
             raise errors.InvalidArgumentError("buffer_addresses and capacities differ in length")
         core = self._require_core()
         await self._in_executor(_register_all, core, list(buffer_addresses), list(capacities))
+        await self._republish()
 
     async def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> None:
         """Unregister every address; raises the first error after trying them all."""
@@ -229,17 +250,21 @@ class AsyncTransferEngine:
                 await self._in_executor(core.unregister, addr)
             except errors.FlagcxMcError as exc:
                 first = first or exc
+        await self._republish()
         if first is not None:
             raise first
 
     async def allocate_managed_buffer(self, length: int) -> int:
         """An engine-owned, registered block of at least ``length`` bytes (shared memory)."""
         self._require_core()
-        return await self._in_executor(self._managed.allocate, length)
+        addr = await self._in_executor(self._managed.allocate, length)
+        await self._republish()
+        return addr
 
     async def free_managed_buffer(self, buffer_addr: int, length: int) -> None:
         self._require_core()
         self._managed.free(buffer_addr, length)
+        await self._republish()
 
     async def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> None:
         """Copy ``src[:length]`` into registered memory at ``dest_address``."""
@@ -437,7 +462,10 @@ class AsyncTransferEngine:
 
     async def send_probe(self, peer_server_name: str) -> None:
         """Check that a peer's handshake server answers (Mooncake's Probe message)."""
-        host, port = parse_host_port(peer_server_name)
+        if self._store is not None:
+            host, port, _ = await self._store.resolve(peer_server_name)
+        else:
+            host, port = parse_host_port(peer_server_name)
         reply = await request(host, port, MessageType.PROBE, {}, timeout=self._config.handshake_timeout)
         if reply.get("status") != "success":
             raise errors.HandshakeRejectedError(f"{peer_server_name} answered the probe with {reply!r}")
@@ -478,6 +506,11 @@ class AsyncTransferEngine:
         assert self._sessions is not None
         return self._sessions
 
+    async def _republish(self) -> None:
+        """With a metadata server, peers read our regions from it: keep it current."""
+        if self._store is not None:
+            await self._store.update(self._name, self._segment.desc_json())
+
     async def _in_executor(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -488,6 +521,22 @@ class AsyncTransferEngine:
                 return
             for line in self._core.drain_log():
                 log.warning("%s: %s", self.session_name, line)
+
+
+async def _advertised_host(name_host: str) -> str:
+    """With a metadata server the segment name need not be an address (Mooncake's rule):
+    ``MC_TCP_BIND_ADDRESS`` if set, else the name's host if it resolves, else this host's name."""
+    explicit = os.environ.get("MC_TCP_BIND_ADDRESS", "").strip()
+    if explicit:
+        return explicit
+    loop = asyncio.get_running_loop()
+    for candidate in (name_host, socket.gethostname()):
+        try:
+            await loop.getaddrinfo(candidate, None)
+            return candidate
+        except OSError:
+            continue
+    raise errors.DnsError(f"cannot find an address to advertise: set MC_TCP_BIND_ADDRESS")
 
 
 def _listdir(path: str) -> List[str]:

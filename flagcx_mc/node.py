@@ -50,7 +50,7 @@ class _Node:
         self.regions: List[_Region] = []
 
     def init(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
-             engine: str = "flagcx_mc") -> dict:
+             engine: str = "flagcx_mc", metadata_server: str = "P2PHANDSHAKE") -> dict:
         """Start the engine: ours, or (``engine="mooncake"``) Mooncake's own, for interop and baselines."""
         if engine == "mooncake":
             os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -59,11 +59,12 @@ class _Node:
             self.engine = MooncakeEngine()
         else:
             self.engine = self.engine_cls(**(config or {}))
-        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        if self.engine.initialize(host, metadata_server, "tcp", "") != 0:
             raise RuntimeError("initialize failed")
         for size in regions:
             self.add_region(size)
-        session = f"{host}:{self.engine.get_rpc_port()}"
+        # P2P names are host:rpc_port; with a metadata server the name is `host` as given.
+        session = f"{host}:{self.engine.get_rpc_port()}" if metadata_server == "P2PHANDSHAKE" else host
         return {"session": session, "pid": os.getpid(), "regions": [[r.addr, r.size] for r in self.regions]}
 
     def add_region(self, size: int, register: bool = True) -> dict:
@@ -155,7 +156,8 @@ class NodeProcess:
 
     def __init__(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
                  env: Optional[Dict[str, str]] = None, start_timeout: float = 30.0,
-                 argv_prefix: Optional[List[str]] = None, engine: str = "flagcx_mc") -> None:
+                 argv_prefix: Optional[List[str]] = None, engine: str = "flagcx_mc",
+                 metadata_server: str = "P2PHANDSHAKE") -> None:
         child_env = dict(os.environ)
         child_env.update(env or {})
         # Start in the directory that holds this very package, so the child imports the same
@@ -168,7 +170,7 @@ class NodeProcess:
         )
         try:
             info = self.call("init", timeout=start_timeout, host=host, regions=list(regions), config=config,
-                             engine=engine)
+                             engine=engine, metadata_server=metadata_server)
         except BaseException:
             self.kill()
             raise

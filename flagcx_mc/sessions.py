@@ -1,7 +1,7 @@
 """Session cache keyed ``"host:port"``: one handshake per peer, shared by every caller.
 
-The first transfer to a session fetches the peer's segment descriptor (P2PHANDSHAKE Metadata)
-and opens its data streams; concurrent first transfers await the same task; different peers
+The first transfer to a session resolves the peer's segment descriptor (a P2PHANDSHAKE Metadata
+round trip, or a metadata-server lookup: see resolvers.py) and opens its data streams; concurrent first transfers await the same task; different peers
 handshake concurrently.  A broken session is evicted and re-opened on next use; ``refresh``
 re-reads the peer's region table (memory it registered after first contact).
 """
@@ -12,15 +12,13 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from . import errors
 from ._core import PROTO_MOONCAKE, CoreEngine, CorePeer
 from .config import EngineConfig
-from .handshake.codec import MessageType
-from .handshake.server import request
 from .metadata import SegmentDesc
-from .netaddr import parse_host_port
+from .resolvers import Resolver
 
 __all__ = ["Session", "SessionCache"]
 
@@ -44,17 +42,11 @@ class Session:
 class SessionCache:
     """Open sessions of one engine; lives on the engine's event loop."""
 
-    def __init__(
-        self,
-        core: CoreEngine,
-        config: EngineConfig,
-        executor: Executor,
-        local_desc: Callable[[], dict],
-    ) -> None:
+    def __init__(self, core: CoreEngine, config: EngineConfig, executor: Executor, resolver: Resolver) -> None:
         self._core = core
         self._config = config
         self._executor = executor
-        self._local_desc = local_desc
+        self._resolver = resolver
         self._open: Dict[str, Session] = {}
         self._opening: Dict[str, asyncio.Task] = {}
         self._refreshing: Dict[str, asyncio.Task] = {}
@@ -105,13 +97,10 @@ class SessionCache:
             session.close()
         self._open.clear()
 
-    async def _fetch_desc(self, host: str, port: int, name: str) -> SegmentDesc:
-        reply = await request(
-            host, port, MessageType.METADATA, self._local_desc(), timeout=self._config.handshake_timeout
-        )
-        desc = SegmentDesc.from_json_dict(reply)
+    async def _resolve(self, name: str) -> tuple:
+        host, port, desc = await self._resolver.resolve(name)
         self._check_peer_kind(name, desc)
-        return desc
+        return host, port, desc
 
     @staticmethod
     def _check_peer_kind(name: str, desc: SegmentDesc) -> None:
@@ -128,11 +117,7 @@ class SessionCache:
             )
 
     async def _open_session(self, name: str) -> Session:
-        try:
-            host, port = parse_host_port(name)
-        except errors.FlagcxMcError as exc:
-            raise errors.InvalidArgumentError(f"bad session name {name!r}: {exc}") from None
-        desc = await self._fetch_desc(host, port, name)
+        host, port, desc = await self._resolve(name)
         peer = self._new_peer(host, desc)
         loop = asyncio.get_running_loop()
         timeout_ms = int(self._config.handshake_timeout * 1000)
@@ -152,7 +137,7 @@ class SessionCache:
         return peer
 
     async def _refresh(self, name: str, stale: Session) -> Session:
-        desc = await self._fetch_desc(stale.host, stale.rpc_port, name)
+        _, _, desc = await self._resolve(name)
         if _identity(desc) != _identity(stale.desc):
             self.evict(name, stale, "the peer restarted")
             return await self.get(name)

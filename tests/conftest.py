@@ -8,6 +8,8 @@ import time
 import pytest
 import uvloop
 
+pytest_plugins = ["servers"]  # tests/servers.py: redis-server and friends
+
 
 def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

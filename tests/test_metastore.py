@@ -45,6 +45,8 @@ from flagcx_mc.metastore import (
     segment_key,
 )
 
+from servers import free_port  # noqa: E402
+
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(30)
@@ -57,12 +59,6 @@ DESC = {
     "timestamp": "2026-01-01 00:00:00.000000",
     "buffers": [{"name": "127.0.0.1:15000", "addr": (1 << 64) - 4096, "length": 4096}],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 async def _raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
@@ -450,7 +446,7 @@ async def test_timeout_is_bounded():
 
 
 async def test_connection_refused():
-    st = HttpMetadataStore(f"http://{HOST}:{_free_port()}/metadata", timeout=2.0)
+    st = HttpMetadataStore(f"http://{HOST}:{free_port()}/metadata", timeout=2.0)
     with pytest.raises(PeerConnectionError):
         await st.put("k", {"a": 1})
 
@@ -541,52 +537,8 @@ def test_server_command_port_in_use():
 
 # --- Redis ------------------------------------------------------------------------------------------
 
-REDIS_PASSWORD = "s3cret"
-_HAVE_REDIS_PACKAGE = importlib.util.find_spec("redis") is not None
-_REDIS_SERVER = shutil.which("redis-server")
-
-
-def _need_redis_package() -> None:
-    if not _HAVE_REDIS_PACKAGE:
-        pytest.skip("the 'redis' package is not installed (pip install redis)")
-
-
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory):
-    """A private redis-server on 127.0.0.1 that requires ``REDIS_PASSWORD``."""
-    _need_redis_package()
-    if _REDIS_SERVER is None:
-        pytest.skip("the redis-server binary is not installed (apt-get install redis-server)")
-    workdir = tmp_path_factory.mktemp("redis")
-    for _ in range(3):  # the free port may be taken between probing and binding
-        port = _free_port()
-        proc = subprocess.Popen(
-            [_REDIS_SERVER, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--requirepass", REDIS_PASSWORD, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                socket.create_connection((HOST, port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        if proc.poll() is None and time.monotonic() < deadline:
-            break
-        proc.kill()
-        proc.wait(timeout=10)
-    else:
-        pytest.fail("redis-server did not start")
-    try:
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+from servers import REDIS_PASSWORD  # noqa: E402
+from servers import need_redis_package as _need_redis_package  # noqa: E402
 
 
 @pytest.fixture
@@ -646,7 +598,7 @@ async def test_redis_credentials(redis_port, redis_env):
 
 async def test_redis_unreachable(redis_env):
     _need_redis_package()
-    async with RedisMetadataStore(f"redis://{HOST}:{_free_port()}", timeout=2.0) as st:
+    async with RedisMetadataStore(f"redis://{HOST}:{free_port()}", timeout=2.0) as st:
         started = time.monotonic()
         with pytest.raises(PeerConnectionError):
             await st.get("k")

@@ -1,0 +1,101 @@
+"""Engines that find each other through a metadata server (HTTP, Redis) instead of P2P names."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, errors
+from flagcx_mc.metadata_server import MetadataServer
+from flagcx_mc.metastore import segment_key
+from flagcx_mc.node import NodeProcess
+from servers import REDIS_PASSWORD, need_redis_package
+
+
+@pytest.fixture
+async def http_metadata():
+    server = MetadataServer("127.0.0.1", 0)
+    await server.start()
+    yield server.url
+    await server.close()
+
+
+@pytest.fixture
+def redis_metadata(redis_port, monkeypatch):
+    need_redis_package()
+    monkeypatch.setenv("MC_REDIS_PASSWORD", REDIS_PASSWORD)
+    return f"redis://127.0.0.1:{redis_port}"
+
+
+async def _node(url: str, name: str, size: int = 4 << 20) -> NodeProcess:
+    return await asyncio.to_thread(NodeProcess, host=name, regions=[size], metadata_server=url,
+                                   env={"MC_REDIS_PASSWORD": REDIS_PASSWORD, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+
+
+async def _exercise(url: str, local_buf) -> None:
+    async with AsyncTransferEngine(transfer_timeout=10.0) as eng:
+        await eng.initialize("127.0.0.1:7001", url, "tcp", "")
+        assert eng.session_name == "127.0.0.1:7001"  # the segment name is local_hostname verbatim
+        await eng.register_memory(local_buf.addr, 8 << 20)
+        target = await _node(url, "decode-0")
+        try:
+            digest = local_buf.fill_random(0, 4 << 20)
+            await eng.transfer_sync_write("decode-0", local_buf.addr, target.addr(0), 4 << 20)
+            got = await asyncio.to_thread(target.call, "digest", region=0)
+            assert got["digest"] == digest
+            # Memory the target registers later is published and reachable.
+            new = await asyncio.to_thread(target.call, "add_region", size=1 << 20)
+            digest = local_buf.fill_random(0, 1 << 20)
+            await eng.transfer_sync_write("decode-0", local_buf.addr, new["addr"], 1 << 20)
+            assert (await asyncio.to_thread(target.call, "digest", region=new["index"]))["digest"] == digest
+            # The target reaches us by our segment name too (reads back what we hold).
+            reply = await asyncio.to_thread(target.call, "transfer", op="read", target="127.0.0.1:7001",
+                                            items=[[0, 0, local_buf.addr, 1 << 20]])
+            assert reply["rc"] == 0
+            assert (await asyncio.to_thread(target.call, "digest", region=0, offset=0, length=1 << 20))["digest"] == digest
+        finally:
+            await asyncio.to_thread(target.kill)
+        # A restarted peer under the same name (new ports, new table) is found without restarting us.
+        restarted = await _node(url, "decode-0")
+        try:
+            digest = local_buf.fill_random(0, 4 << 20)
+            await eng.transfer_sync_write("decode-0", local_buf.addr, restarted.addr(0), 4 << 20)
+            assert (await asyncio.to_thread(restarted.call, "digest", region=0))["digest"] == digest
+        finally:
+            await asyncio.to_thread(restarted.close)
+        with pytest.raises(errors.MetadataError):
+            await eng.transfer_sync_write("nobody", local_buf.addr, 0x1000, 8)
+
+
+async def test_http_metadata_server(http_metadata, local_buf):
+    await _exercise(http_metadata, local_buf)
+
+
+async def test_redis_metadata_server(redis_metadata, local_buf):
+    await _exercise(redis_metadata, local_buf)
+
+
+async def test_segment_is_withdrawn_on_close(http_metadata, local_buf):
+    from flagcx_mc.metastore import HttpMetadataStore
+
+    async with AsyncTransferEngine() as eng:
+        await eng.initialize("prefill-3", http_metadata, "tcp", "")
+        async with HttpMetadataStore(http_metadata) as store:
+            assert (await store.get(segment_key("prefill-3")))["name"] == "prefill-3"
+    async with HttpMetadataStore(http_metadata) as store:
+        assert await store.get(segment_key("prefill-3")) is None
+
+
+async def test_etcd_is_refused_clearly():
+    eng = AsyncTransferEngine()
+    with pytest.raises(errors.NotSupportedError, match="etcd"):
+        await eng.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "")
+    await eng.close()
+
+
+async def test_a_live_name_cannot_be_taken(http_metadata):
+    async with AsyncTransferEngine() as first, AsyncTransferEngine() as second:
+        await first.initialize("shared-name", http_metadata, "tcp", "")
+        with pytest.raises(errors.MetadataError, match="in use by a live engine"):
+            await second.initialize("shared-name", http_metadata, "tcp", "")
