@@ -9,6 +9,7 @@ enum {
     FMC_ERR_ADDRESS_OVERLAPPED = -7,
     FMC_ERR_DNS = -101,
     FMC_ERR_SOCKET = -102,
+    FMC_ERR_REJECT_HANDSHAKE = -104,
     FMC_ERR_TIMEOUT = -105,
     FMC_ERR_REMOTE_REFUSED = -106,
     FMC_ERR_MEMORY = -302,
@@ -43,6 +44,8 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
 int fmc_engine_data_port(fmc_engine *engine);
 void fmc_engine_destroy(fmc_engine *engine);
 void fmc_engine_accept_mooncake_wire(fmc_engine *engine, int accept);
+int fmc_engine_set_secret(fmc_engine *engine, const uint8_t *key, int len);
+int fmc_hmac_sha256_public(const uint8_t *key, int key_len, const uint8_t *msg, int msg_len, uint8_t *out);
 void fmc_engine_get_stats(fmc_engine *engine, fmc_stats *out);
 int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
 

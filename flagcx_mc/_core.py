@@ -36,6 +36,13 @@ def core_version() -> str:
     return ffi.string(lib.fmc_version()).decode()
 
 
+def hmac_sha256(key: bytes, message: bytes) -> bytes:
+    """The core's own HMAC-SHA256 (used by the data-plane handshake); exposed for tests."""
+    out = ffi.new("uint8_t[32]")
+    _raise_for(lib.fmc_hmac_sha256_public(key, len(key), message, len(message), out))
+    return bytes(ffi.buffer(out, 32))
+
+
 def last_error() -> str:
     """The message of the last failing core call in this thread."""
     return ffi.string(lib.fmc_last_error()).decode(errors="replace")
@@ -117,6 +124,11 @@ class CoreEngine:
         if n <= 0:
             return []
         return ffi.unpack(buf, n).decode(errors="replace").splitlines()
+
+    def set_secret(self, secret: bytes) -> None:
+        """Require mutual shared-secret authentication on every native data connection (both
+        ways) and stop serving Mooncake's key-less framing."""
+        _raise_for(lib.fmc_engine_set_secret(self._ptr, secret, len(secret)))
 
     def accept_mooncake_wire(self, accept: bool) -> None:
         """Serve Mooncake's key-less TCP framing on the data port (on by default)."""

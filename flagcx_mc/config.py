@@ -43,6 +43,7 @@ class EngineConfig:
     streams_per_peer: int = 4            # data connections per peer
     slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
     wait_threads: int = 64               # executor threads that wait for completions (async API)
+    secret: Optional[bytes] = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
@@ -55,7 +56,12 @@ class EngineConfig:
             "wait_threads": _env_number("FLAGCX_MC_WAIT_THREADS", int),
         }
         values.update({k: v for k, v in own.items() if v is not None})
+        env_secret = os.environ.get("FLAGCX_MC_SECRET")
+        if env_secret:
+            values["secret"] = env_secret
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values.get("secret"), str):
+            values["secret"] = values["secret"].encode()
         config = cls(**values)
         config.validate()
         return config
@@ -71,6 +77,8 @@ class EngineConfig:
             raise InvalidArgumentError("slice_size must be in [4 KiB, 64 MiB]")
         if self.wait_threads < 1:
             raise InvalidArgumentError("wait_threads must be positive")
+        if self.secret is not None and not (isinstance(self.secret, bytes) and 1 <= len(self.secret) <= 256):
+            raise InvalidArgumentError("secret must be 1 to 256 bytes")
 
     def timeout_for(self, total_bytes: int) -> float:
         """Deadline of one transfer call: Mooncake's timeout plus 1 ns per byte."""

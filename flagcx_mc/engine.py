@@ -21,6 +21,7 @@ from typing import Any, Deque, List, Optional, Sequence
 
 from . import errors
 from ._core import CoreEngine
+from .auth import authed_request, guard_handlers
 from .batches import BatchTable, PendingBatch
 from .config import EngineConfig
 from .handshake.codec import MessageType
@@ -126,15 +127,18 @@ class AsyncTransferEngine:
         try:
             store = open_store(kind, url, timeout=self._config.handshake_timeout) if kind != "p2p" else None
             self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
+            secret = self._config.secret
+            if secret is not None:
+                self._core.set_secret(secret)
             self._segment = LocalSegment(self._core, self._notifies)
-            self._server = HandshakeServer(self._segment.handlers())
+            self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret))
             self._rpc_port = await self._server.start(host, None)
             self._host = host
             # P2P: the name is host:rpc_port.  With a metadata server it is local_hostname verbatim.
             self._name = self.session_name if store is None else local_hostname
             self._segment.name = self._name
             if store is None:
-                resolver = P2PResolver(self._segment.desc_json, self._config.handshake_timeout)
+                resolver = P2PResolver(self._segment.desc_json, self._config.handshake_timeout, secret)
             else:
                 resolver = self._store = StoreResolver(store)
                 await self._store.publish(self._name, host, self._rpc_port, self._segment.desc_json())
@@ -475,8 +479,8 @@ class AsyncTransferEngine:
         """Deliver ``notify`` to the target's ``get_notifies()``."""
         if session is None:
             session = await self._require_sessions().get(target_hostname)
-        await request(session.host, session.rpc_port, MessageType.NOTIFY,
-                      {"name": notify.name, "notify_msg": notify.msg}, timeout=self._config.handshake_timeout)
+        await authed_request(self._config.secret, session.host, session.rpc_port, MessageType.NOTIFY,
+                             {"name": notify.name, "notify_msg": notify.msg}, timeout=self._config.handshake_timeout)
 
     def get_notifies(self) -> List[TransferNotify]:
         """Drain the notifications peers sent to this engine, oldest first."""

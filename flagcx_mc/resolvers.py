@@ -7,9 +7,10 @@ live under Mooncake's keys (``mooncake/ram/<name>``, ``mooncake/rpc_meta/<name>`
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Tuple
+from typing import Callable, Optional, Protocol, Tuple
 
 from . import errors
+from .auth import authed_request
 from .handshake.codec import MessageType
 from .handshake.server import request
 from .metadata import SegmentDesc
@@ -28,16 +29,18 @@ class Resolver(Protocol):
 class P2PResolver:
     """Ask the peer: a Metadata round trip on its rpc port (our descriptor goes with it)."""
 
-    def __init__(self, local_desc: Callable[[], dict], timeout: float) -> None:
+    def __init__(self, local_desc: Callable[[], dict], timeout: float, secret: Optional[bytes] = None) -> None:
         self._local_desc = local_desc
         self._timeout = timeout
+        self._secret = secret
 
     async def resolve(self, name: str) -> Resolved:
         try:
             host, port = parse_host_port(name)
         except errors.FlagcxMcError as exc:
             raise errors.InvalidArgumentError(f"bad session name {name!r}: {exc}") from None
-        reply = await request(host, port, MessageType.METADATA, self._local_desc(), timeout=self._timeout)
+        reply = await authed_request(self._secret, host, port, MessageType.METADATA, self._local_desc(),
+                                     timeout=self._timeout)
         return host, port, SegmentDesc.from_json_dict(reply)
 
 

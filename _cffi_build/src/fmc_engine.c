@@ -90,10 +90,27 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
 
 int fmc_engine_data_port(fmc_engine *e) { return e->data_port; }
 
+int fmc_engine_set_secret(fmc_engine *e, const uint8_t *key, int len)
+{
+    if (len < 0 || len > FMC_SECRET_MAX) {
+        fmc_set_error("the shared secret must be at most %d bytes", FMC_SECRET_MAX);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    pthread_mutex_lock(&e->mu);
+    memset(e->secret.key, 0, sizeof e->secret.key);
+    if (len)
+        memcpy(e->secret.key, key, (size_t)len);
+    e->secret.len = (size_t)len;
+    if (len)
+        e->accept_mooncake_wire = 0; /* Mooncake's framing cannot authenticate */
+    pthread_mutex_unlock(&e->mu);
+    return FMC_OK;
+}
+
 void fmc_engine_accept_mooncake_wire(fmc_engine *e, int accept)
 {
     pthread_mutex_lock(&e->mu);
-    e->accept_mooncake_wire = accept != 0;
+    e->accept_mooncake_wire = accept != 0 && e->secret.len == 0;
     pthread_mutex_unlock(&e->mu);
 }
 

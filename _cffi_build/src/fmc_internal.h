@@ -48,6 +48,18 @@ int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
 int fmc_tcp_connect(const char *host, int port, int timeout_ms);
 void fmc_tune_socket(int fd);
 
+/* ---------------------------------------------------------------- authentication (fmc_auth.c) */
+#define FMC_SECRET_MAX 256
+typedef struct {
+    uint8_t key[FMC_SECRET_MAX];
+    size_t len; /* 0: no authentication */
+} fmc_secret;
+
+void fmc_hmac_sha256(const uint8_t *key, size_t key_len, const uint8_t *msg, size_t msg_len, uint8_t out[32]);
+int fmc_equal_ct(const uint8_t *a, const uint8_t *b, size_t n);
+int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce);
+int fmc_auth_client(int fd, const fmc_secret *s);
+
 /* ---------------------------------------------------------------- registry (fmc_registry.c) */
 typedef struct fmc_region {
     uint64_t addr, len;
@@ -93,6 +105,7 @@ struct fmc_engine {
     pthread_t accept_thread;
     int stopping;
     int accept_mooncake_wire; /* serve Mooncake's TCP framing on the data port too */
+    fmc_secret secret;        /* set before any connection; guarded by mu when changed */
     atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;

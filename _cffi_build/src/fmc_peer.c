@@ -400,17 +400,20 @@ int fmc_peer_lookup_keys(fmc_peer *p, int n, const uint64_t *remote, const uint6
     return FMC_OK;
 }
 
-static int read_preamble_reply(int fd, int timeout_ms)
+/* The native preamble (and, with a shared secret, the authentication exchange) under a deadline. */
+static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
 {
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    uint8_t reply[FMC_PREAMBLE_SIZE];
-    int rc = fmc_recv_all(fd, reply, sizeof reply);
+    fmc_secret secret;
+    pthread_mutex_lock(&p->engine->mu);
+    secret = p->engine->secret;
+    pthread_mutex_unlock(&p->engine->mu);
+    int rc = fmc_auth_client(fd, &secret);
+    memset(&secret, 0, sizeof secret);
     struct timeval zero = {0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof zero);
-    if (rc < 0)
-        return -1;
-    return memcmp(reply, FMC_MAGIC_OK, 8) == 0 && fmc_get32(reply + 8) == 0 ? 0 : -2;
+    return rc;
 }
 
 int fmc_peer_set_protocol(fmc_peer *p, int proto)
@@ -454,20 +457,17 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
             rc = fd;
             break;
         }
-        uint8_t hello[FMC_PREAMBLE_SIZE] = {0};
-        memcpy(hello, FMC_MAGIC_HELLO, 8);
-        fmc_put32(hello + 8, FMC_WIRE_VERSION);
         left = deadline - fmc_now_ms();
-        int pr = -1;
-        if (p->proto == FMC_PROTO_MOONCAKE)
-            pr = 0; /* Mooncake's framing has no preamble */
-        else if (left > 0 && fmc_send_all(fd, hello, sizeof hello) == 0)
-            pr = read_preamble_reply(fd, (int)(left > 0 ? left : 1));
-        if (pr != 0) {
+        int pr = FMC_OK; /* Mooncake's framing has no preamble */
+        if (p->proto != FMC_PROTO_MOONCAKE)
+            pr = left > 0 ? native_preamble(p, fd, (int)left) : FMC_ERR_TIMEOUT;
+        if (pr != FMC_OK) {
             close(fd);
             fmc_set_error("data port %s:%d %s", p->host, p->data_port,
-                          pr == -2 ? "does not speak the flagcx_mc native protocol" : "did not answer the preamble in time");
-            rc = pr == -2 ? FMC_ERR_REMOTE_REFUSED : FMC_ERR_SOCKET;
+                          pr == FMC_ERR_REMOTE_REFUSED ? "does not speak the flagcx_mc native protocol"
+                          : pr == FMC_ERR_REJECT_HANDSHAKE ? "failed shared-secret authentication (secrets differ, or only one side has one)"
+                                                           : "did not answer the preamble in time");
+            rc = pr == FMC_ERR_TIMEOUT ? FMC_ERR_SOCKET : pr;
             break;
         }
         fds[n] = fd;

@@ -144,11 +144,38 @@ static int handshake(conn_state *cs)
     if (fmc_reader_fill(&cs->rd, FMC_PREAMBLE_SIZE) < 0)
         return -1;
     const uint8_t *p = cs->rd.buf + cs->rd.start;
-    uint32_t version = fmc_get32(p + 8);
+    uint32_t version = fmc_get32(p + 8), flags = fmc_get32(p + 12);
+    int ok = memcmp(p, FMC_MAGIC_HELLO, 8) == 0 && version == FMC_WIRE_VERSION;
     cs->rd.start += FMC_PREAMBLE_SIZE;
+    uint8_t client_nonce[FMC_NONCE_SIZE];
+    if (ok && (flags & FMC_PREAMBLE_AUTH)) {
+        if (fmc_reader_fill(&cs->rd, FMC_NONCE_SIZE) < 0)
+            return -1;
+        memcpy(client_nonce, cs->rd.buf + cs->rd.start, FMC_NONCE_SIZE);
+        cs->rd.start += FMC_NONCE_SIZE;
+    }
+    fmc_secret secret;
+    pthread_mutex_lock(&cs->e->mu);
+    secret = cs->e->secret;
+    pthread_mutex_unlock(&cs->e->mu);
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
     memcpy(reply, FMC_MAGIC_OK, 8);
-    int ok = memcmp(p, FMC_MAGIC_HELLO, 8) == 0 && version == FMC_WIRE_VERSION;
+    if (ok && secret.len) {
+        int rc = (flags & FMC_PREAMBLE_AUTH) ? fmc_auth_server(cs->c->fd, &secret, client_nonce)
+                                             : FMC_ERR_REJECT_HANDSHAKE;
+        memset(&secret, 0, sizeof secret);
+        if (rc != FMC_OK) {
+            if (!(flags & FMC_PREAMBLE_AUTH)) {
+                fmc_put32(reply + 8, (uint32_t)FMC_ERR_REJECT_HANDSHAKE);
+                fmc_send_all(cs->c->fd, reply, sizeof reply);
+            }
+            fmc_engine_log(cs->e, "refused a data connection: %s",
+                           flags & FMC_PREAMBLE_AUTH ? "wrong shared secret" : "no shared secret offered");
+            return -1;
+        }
+        set_recv_timeout(cs->c->fd, 0);
+        return WIRE_NATIVE;
+    }
     fmc_put32(reply + 8, (uint32_t)(ok ? 0 : FMC_ERR_REMOTE_REFUSED));
     if (fmc_send_all(cs->c->fd, reply, sizeof reply) < 0 || !ok)
         return -1;

@@ -24,6 +24,9 @@
 #define FMC_REQ_SIZE 32
 #define FMC_RESP_SIZE 24
 #define FMC_WIRE_VERSION 1u
+#define FMC_PREAMBLE_AUTH 1u       /* preamble flag: 16-byte client nonce follows (fmc_auth.c) */
+#define FMC_PREAMBLE_CHALLENGE 1   /* preamble answer status: authentication challenge follows */
+#define FMC_NONCE_SIZE 16
 #define FMC_WIRE_OP_WRITE 1
 #define FMC_WIRE_OP_READ 2
 /* Largest slice a target accepts in one request; larger requests are a protocol error. */
