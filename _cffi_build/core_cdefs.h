@@ -75,3 +75,13 @@ void fmc_batch_free(fmc_batch *batch);
 int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms);
 
+/* baselines (bench only) */
+int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
+int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
+int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
+int fmc_baseline_cuda_devices(int *count_out);
+int fmc_baseline_cuda_alloc(int device, uint64_t size, uint64_t *ptr_out);
+int fmc_baseline_cuda_free(int device, uint64_t ptr);
+int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len);
+int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
+                          double *gbps_out);

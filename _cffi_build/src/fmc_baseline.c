@@ -1,0 +1,575 @@
+/* Physical limits for the benchmark: what the hardware and kernel give without any engine.
+ *
+ * Every baseline moves `total` bytes in `block`-sized pieces through buffers of `span` bytes (the
+ * working set of one batch of the engine's workload), so caches treat both alike, and writes the
+ * throughput in GB/s (1e9 bytes per second) through `gbps_out`.  Nothing here is used by the
+ * engine.
+ *
+ *   fmc_baseline_memcpy  memcpy of each block, one thread
+ *   fmc_baseline_tcp     loopback TCP, `streams` connections, a sender and a receiver thread each;
+ *                        senders gather blocks into sendmsg calls of about 1 MiB (as the engine's
+ *                        streams do), receivers read as much as the socket has
+ *   fmc_baseline_pvm     process_vm_writev from this process into a forked child, up to 1024
+ *                        blocks per call
+ *   fmc_baseline_cuda_*  device-to-device copies through the CUDA driver API, loaded with dlopen
+ *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver); plus allocation and
+ *                        copy helpers, so the benchmark can own device memory without a framework
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+
+#define BL_GATHER_BYTES (1u << 20) /* bytes a raw sender hands to one sendmsg */
+#define BL_GATHER_IOVS 256
+#define BL_PVM_IOVS 1024           /* IOV_MAX */
+#define BL_MAX_STREAM_BUF (64ull << 20)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int check_shape(uint64_t block, uint64_t span, uint64_t total, const double *gbps_out)
+{
+    if (block == 0 || span < block || total == 0 || gbps_out == NULL) {
+        fmc_set_error("baseline: need block > 0, span >= block, total > 0 and an output (got %llu, %llu, %llu)",
+                      (unsigned long long)block, (unsigned long long)span, (unsigned long long)total);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    if (span > (1ull << 40) || total > (1ull << 50)) {
+        fmc_set_error("baseline: span or total too large");
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    return 0;
+}
+
+/* Anonymous memory with every page touched, or NULL. */
+static uint8_t *map_touched(uint64_t len, int byte)
+{
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        fmc_set_error("baseline: cannot map %llu bytes: %s", (unsigned long long)len, strerror(errno));
+        return NULL;
+    }
+    memset(p, byte, len);
+    return p;
+}
+
+static int set_gbps(uint64_t bytes, double seconds, double *gbps_out)
+{
+    *gbps_out = seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ memcpy */
+
+int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+{
+    int rc = check_shape(block, span, total, gbps_out);
+    if (rc < 0)
+        return rc;
+    uint64_t nblocks = span / block;
+    uint8_t *src = map_touched(nblocks * block, 0x5a);
+    uint8_t *dst = src ? map_touched(nblocks * block, 0) : NULL;
+    if (dst == NULL) {
+        if (src)
+            munmap(src, nblocks * block);
+        return FMC_ERR_MEMORY;
+    }
+    uint64_t moved = 0, i = 0;
+    double t0 = now_s();
+    while (moved < total) {
+        uint64_t n = total - moved < block ? total - moved : block;
+        memcpy(dst + i * block, src + i * block, n);
+        moved += n;
+        i = i + 1 == nblocks ? 0 : i + 1;
+    }
+    double t1 = now_s();
+    rc = dst[0] == 0x5a ? 0 : FMC_ERR_MEMORY; /* also keeps the copies from being optimised away */
+    munmap(src, nblocks * block);
+    munmap(dst, nblocks * block);
+    if (rc < 0) {
+        fmc_set_error("baseline: memcpy did not copy");
+        return rc;
+    }
+    return set_gbps(moved, t1 - t0, gbps_out);
+}
+
+/* ------------------------------------------------------------------ loopback TCP */
+
+typedef struct {
+    int fd;              /* sender: connected socket; receiver: accepted socket */
+    uint8_t *buf;        /* ring of `buf_len` bytes the thread reads from or writes into */
+    uint64_t buf_len;
+    uint64_t block;
+    uint64_t bytes;      /* to move on this stream */
+    struct bl_gate *gate;
+    int failed;
+} bl_stream_end;
+
+/* Holds every thread until all exist (go) or thread creation failed (abort). */
+typedef struct bl_gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int state; /* 0 wait, 1 go, -1 abort */
+} bl_gate;
+
+static int gate_wait(bl_gate *g)
+{
+    pthread_mutex_lock(&g->mu);
+    while (g->state == 0)
+        pthread_cond_wait(&g->cv, &g->mu);
+    int state = g->state;
+    pthread_mutex_unlock(&g->mu);
+    return state;
+}
+
+static void gate_open(bl_gate *g, int state)
+{
+    pthread_mutex_lock(&g->mu);
+    g->state = state;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void *tcp_sender(void *arg)
+{
+    bl_stream_end *e = arg;
+    struct iovec iov[BL_GATHER_IOVS];
+    uint64_t pos = 0, left = e->bytes, in_block = 0; /* in_block: bytes of the current block sent */
+    if (gate_wait(e->gate) < 0)
+        return NULL;
+    while (left) {
+        int n = 0;
+        uint64_t gathered = 0;
+        while (left && n < BL_GATHER_IOVS && gathered < BL_GATHER_BYTES) {
+            uint64_t len = e->block - in_block;
+            if (len > left)
+                len = left;
+            if (len > e->buf_len - pos)
+                len = e->buf_len - pos;
+            iov[n].iov_base = e->buf + pos;
+            iov[n].iov_len = len;
+            n++;
+            gathered += len;
+            left -= len;
+            pos = pos + len == e->buf_len ? 0 : pos + len;
+            in_block = in_block + len == e->block ? 0 : in_block + len;
+        }
+        if (fmc_sendv_all(e->fd, iov, n) < 0) {
+            e->failed = errno ? errno : EIO;
+            break;
+        }
+    }
+    shutdown(e->fd, SHUT_WR);
+    return NULL;
+}
+
+static void *tcp_receiver(void *arg)
+{
+    bl_stream_end *e = arg;
+    uint64_t pos = 0, left = e->bytes;
+    if (gate_wait(e->gate) < 0)
+        return NULL;
+    while (left) {
+        uint64_t want = left < e->buf_len - pos ? left : e->buf_len - pos;
+        ssize_t n = recv(e->fd, e->buf + pos, want, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            e->failed = n < 0 ? errno : EPIPE;
+            break;
+        }
+        left -= (uint64_t)n;
+        pos = pos + (uint64_t)n == e->buf_len ? 0 : pos + (uint64_t)n;
+    }
+    return NULL;
+}
+
+int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+{
+    int rc = check_shape(block, span, total, gbps_out);
+    if (rc < 0)
+        return rc;
+    if (streams < 1 || streams > FMC_MAX_STREAMS) {
+        fmc_set_error("baseline: streams must be in 1..%d", FMC_MAX_STREAMS);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    uint64_t buf_len = (span / (uint64_t)streams + 4095) & ~4095ull;
+    if (buf_len < 4096)
+        buf_len = 4096;
+    if (buf_len > BL_MAX_STREAM_BUF)
+        buf_len = BL_MAX_STREAM_BUF;
+    uint64_t per_stream = (total + (uint64_t)streams - 1) / (uint64_t)streams;
+
+    bl_stream_end ends[2 * FMC_MAX_STREAMS];
+    pthread_t threads[2 * FMC_MAX_STREAMS];
+    bl_gate gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+    memset(ends, 0, sizeof ends);
+    for (int i = 0; i < 2 * streams; i++)
+        ends[i].fd = -1;
+    int port = 0, started = 0;
+    int lfd = fmc_tcp_listen("127.0.0.1", 0, 0, &port);
+    if (lfd < 0)
+        return lfd;
+    rc = 0;
+    for (int s = 0; s < streams && rc == 0; s++) {
+        bl_stream_end *tx = &ends[2 * s], *rx = &ends[2 * s + 1];
+        tx->fd = fmc_tcp_connect("127.0.0.1", port, 5000);
+        if (tx->fd < 0) {
+            rc = tx->fd;
+            tx->fd = -1;
+            break;
+        }
+        rx->fd = accept(lfd, NULL, NULL);
+        if (rx->fd < 0) {
+            fmc_set_error("baseline: accept failed: %s", strerror(errno));
+            rc = FMC_ERR_SOCKET;
+            break;
+        }
+        fmc_tune_socket(tx->fd);
+        fmc_tune_socket(rx->fd);
+        tx->buf = map_touched(buf_len, 0x5a);
+        rx->buf = tx->buf ? map_touched(buf_len, 0) : NULL;
+        if (rx->buf == NULL) {
+            rc = FMC_ERR_MEMORY;
+            break;
+        }
+        tx->buf_len = rx->buf_len = buf_len;
+        tx->block = rx->block = block;
+        tx->bytes = rx->bytes = per_stream;
+    }
+    close(lfd);
+    double t0 = 0, t1 = 0;
+    if (rc == 0) {
+        for (int i = 0; i < 2 * streams; i++) {
+            ends[i].gate = &gate;
+            if (pthread_create(&threads[i], NULL, (i & 1) ? tcp_receiver : tcp_sender, &ends[i]) != 0)
+                break;
+            started++;
+        }
+        if (started < 2 * streams) {
+            fmc_set_error("baseline: cannot start %d threads", 2 * streams);
+            rc = FMC_ERR_MEMORY;
+        }
+        t0 = now_s();
+        gate_open(&gate, rc == 0 ? 1 : -1);
+        for (int i = 0; i < started; i++)
+            pthread_join(threads[i], NULL);
+        t1 = now_s();
+        for (int i = 0; i < 2 * streams && rc == 0; i++) {
+            if (ends[i].failed) {
+                fmc_set_error("baseline: stream %d %s failed: %s", i / 2, (i & 1) ? "receiver" : "sender",
+                              strerror(ends[i].failed));
+                rc = FMC_ERR_SOCKET;
+            }
+        }
+    }
+    for (int i = 0; i < 2 * streams; i++) {
+        if (ends[i].fd >= 0)
+            close(ends[i].fd);
+        if (ends[i].buf)
+            munmap(ends[i].buf, buf_len);
+    }
+    if (rc < 0)
+        return rc;
+    return set_gbps(per_stream * (uint64_t)streams, t1 - t0, gbps_out);
+}
+
+/* ------------------------------------------------------------------ process_vm_writev */
+
+int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+{
+    int rc = check_shape(block, span, total, gbps_out);
+    if (rc < 0)
+        return rc;
+    uint64_t nblocks = span / block, len = nblocks * block;
+    uint8_t *src = map_touched(len, 0x5a);
+    uint8_t *dst = src ? map_touched(len, 0) : NULL;
+    if (dst == NULL) {
+        if (src)
+            munmap(src, len);
+        return FMC_ERR_MEMORY;
+    }
+    int ready[2], hold[2];
+    if (pipe2(ready, O_CLOEXEC) < 0) {
+        munmap(src, len);
+        munmap(dst, len);
+        fmc_set_error("baseline: pipe: %s", strerror(errno));
+        return FMC_ERR_SOCKET;
+    }
+    if (pipe2(hold, O_CLOEXEC) < 0) {
+        close(ready[0]);
+        close(ready[1]);
+        munmap(src, len);
+        munmap(dst, len);
+        fmc_set_error("baseline: pipe: %s", strerror(errno));
+        return FMC_ERR_SOCKET;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* Child: own its copy of dst (break copy-on-write), say so, then wait for the parent to
+         * close the hold pipe.  Only async-signal-safe calls from here on. */
+        char c = 0, verdict;
+        memset(dst, 1, len);
+        close(ready[0]);
+        close(hold[1]);
+        if (write(ready[1], &c, 1) != 1)
+            _exit(2);
+        while (read(hold[0], &c, 1) > 0) {
+        }
+        verdict = dst[0] == 0x5a ? 0 : 3; /* the parent wrote the first block */
+        _exit(verdict);
+    }
+    close(ready[1]);
+    close(hold[0]);
+    if (pid < 0) {
+        close(ready[0]);
+        close(hold[1]);
+        munmap(src, len);
+        munmap(dst, len);
+        fmc_set_error("baseline: fork: %s", strerror(errno));
+        return FMC_ERR_MEMORY;
+    }
+    munmap(dst, len); /* the child's copy at the same address is the destination */
+    char c;
+    ssize_t got;
+    do {
+        got = read(ready[0], &c, 1);
+    } while (got < 0 && errno == EINTR);
+    close(ready[0]);
+    rc = got == 1 ? 0 : FMC_ERR_SOCKET;
+    if (rc < 0)
+        fmc_set_error("baseline: child did not start");
+
+    struct iovec liov[BL_PVM_IOVS], riov[BL_PVM_IOVS];
+    uint64_t moved = 0, i = 0;
+    double t0 = now_s();
+    while (rc == 0 && moved < total) {
+        int n = 0;
+        uint64_t want = 0;
+        while (n < BL_PVM_IOVS && moved + want < total) {
+            uint64_t piece = total - moved - want < block ? total - moved - want : block;
+            liov[n].iov_base = src + i * block;
+            riov[n].iov_base = dst + i * block;
+            liov[n].iov_len = riov[n].iov_len = piece;
+            want += piece;
+            n++;
+            i = i + 1 == nblocks ? 0 : i + 1;
+            if (i == 0)
+                break; /* one call never names the same remote block twice */
+        }
+        ssize_t done = process_vm_writev(pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done != (ssize_t)want) {
+            fmc_set_error("baseline: process_vm_writev moved %zd of %llu bytes: %s", done,
+                          (unsigned long long)want, done < 0 ? strerror(errno) : "short write");
+            rc = errno == EPERM ? FMC_ERR_NOT_IMPLEMENTED : FMC_ERR_SOCKET;
+            break;
+        }
+        moved += want;
+    }
+    double t1 = now_s();
+    close(hold[1]);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    munmap(src, len);
+    if (rc == 0 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+        fmc_set_error("baseline: the child did not see the written bytes (status %d)", status);
+        rc = FMC_ERR_SOCKET;
+    }
+    if (rc < 0)
+        return rc;
+    return set_gbps(moved, t1 - t0, gbps_out);
+}
+
+/* ------------------------------------------------------------------ CUDA (driver API, dlopen) */
+
+typedef int (*cu_init_fn)(unsigned);
+typedef int (*cu_count_fn)(int *);
+typedef int (*cu_device_get_fn)(int *, int);
+typedef int (*cu_ctx_retain_fn)(void **, int);
+typedef int (*cu_ctx_fn)(void *);
+typedef int (*cu_sync_fn)(void);
+typedef int (*cu_alloc_fn)(uint64_t *, size_t);
+typedef int (*cu_free_fn)(uint64_t);
+typedef int (*cu_copy_fn)(uint64_t, uint64_t, size_t);
+typedef int (*cu_peer_fn)(uint64_t, void *, uint64_t, void *, size_t);
+typedef int (*cu_memset_fn)(uint64_t, unsigned char, size_t);
+
+static struct {
+    pthread_once_t once;
+    int rc;
+    cu_count_fn count;
+    cu_device_get_fn device_get;
+    cu_ctx_retain_fn retain;
+    cu_ctx_fn set_current;
+    cu_sync_fn sync;
+    cu_alloc_fn alloc;
+    cu_free_fn free;
+    cu_copy_fn copy;
+    cu_peer_fn peer;
+    cu_memset_fn memset;
+} cu = {.once = PTHREAD_ONCE_INIT};
+
+static void cu_load(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    cu.rc = FMC_ERR_NOT_IMPLEMENTED;
+    if (h == NULL)
+        return;
+    cu_init_fn init = (cu_init_fn)dlsym(h, "cuInit");
+    cu.count = (cu_count_fn)dlsym(h, "cuDeviceGetCount");
+    cu.device_get = (cu_device_get_fn)dlsym(h, "cuDeviceGet");
+    cu.retain = (cu_ctx_retain_fn)dlsym(h, "cuDevicePrimaryCtxRetain");
+    cu.set_current = (cu_ctx_fn)dlsym(h, "cuCtxSetCurrent");
+    cu.sync = (cu_sync_fn)dlsym(h, "cuCtxSynchronize");
+    cu.alloc = (cu_alloc_fn)dlsym(h, "cuMemAlloc_v2");
+    cu.free = (cu_free_fn)dlsym(h, "cuMemFree_v2");
+    cu.copy = (cu_copy_fn)dlsym(h, "cuMemcpy");
+    cu.peer = (cu_peer_fn)dlsym(h, "cuMemcpyPeer");
+    cu.memset = (cu_memset_fn)dlsym(h, "cuMemsetD8_v2");
+    if (!init || !cu.count || !cu.device_get || !cu.retain || !cu.set_current || !cu.sync || !cu.alloc ||
+        !cu.free || !cu.copy || !cu.peer || !cu.memset || init(0) != 0)
+        return;
+    cu.rc = 0;
+}
+
+/* Load the driver and make `device`'s primary context current in this thread. */
+static int cu_use(int device, void **ctx_out)
+{
+    pthread_once(&cu.once, cu_load);
+    if (cu.rc < 0) {
+        fmc_set_error("no usable CUDA driver (libcuda.so.1)");
+        return cu.rc;
+    }
+    int count = 0, dev = 0;
+    void *ctx = NULL;
+    if (cu.count(&count) != 0 || device < 0 || device >= count) {
+        fmc_set_error("CUDA device %d not present (%d devices)", device, count);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    if (cu.device_get(&dev, device) != 0 || cu.retain(&ctx, dev) != 0 || cu.set_current(ctx) != 0) {
+        fmc_set_error("cannot open a context on CUDA device %d", device);
+        return FMC_ERR_MEMORY;
+    }
+    if (ctx_out)
+        *ctx_out = ctx;
+    return 0;
+}
+
+int fmc_baseline_cuda_devices(int *count_out)
+{
+    if (count_out == NULL)
+        return FMC_ERR_INVALID_ARGUMENT;
+    *count_out = 0;
+    pthread_once(&cu.once, cu_load);
+    if (cu.rc < 0) {
+        fmc_set_error("no usable CUDA driver (libcuda.so.1)");
+        return cu.rc;
+    }
+    return cu.count(count_out) == 0 ? 0 : FMC_ERR_NOT_IMPLEMENTED;
+}
+
+int fmc_baseline_cuda_alloc(int device, uint64_t size, uint64_t *ptr_out)
+{
+    if (size == 0 || ptr_out == NULL)
+        return FMC_ERR_INVALID_ARGUMENT;
+    int rc = cu_use(device, NULL);
+    if (rc < 0)
+        return rc;
+    if (cu.alloc(ptr_out, size) != 0) {
+        fmc_set_error("cuMemAlloc of %llu bytes failed on device %d", (unsigned long long)size, device);
+        return FMC_ERR_MEMORY;
+    }
+    return 0;
+}
+
+int fmc_baseline_cuda_free(int device, uint64_t ptr)
+{
+    int rc = cu_use(device, NULL);
+    if (rc < 0)
+        return rc;
+    return cu.free(ptr) == 0 ? 0 : FMC_ERR_INVALID_ARGUMENT;
+}
+
+/* Any direction (host or device addresses: unified addressing); returns once the bytes are there. */
+int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len)
+{
+    if (dst == 0 || src == 0 || len == 0)
+        return FMC_ERR_INVALID_ARGUMENT;
+    int rc = cu_use(device, NULL);
+    if (rc < 0)
+        return rc;
+    if (cu.copy(dst, src, len) != 0 || cu.sync() != 0) {
+        fmc_set_error("cuMemcpy of %llu bytes failed", (unsigned long long)len);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    return 0;
+}
+
+int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
+                          double *gbps_out)
+{
+    int rc = check_shape(block, span, total, gbps_out);
+    if (rc < 0)
+        return rc;
+    void *src_ctx = NULL, *dst_ctx = NULL;
+    uint64_t nblocks = span / block, len = nblocks * block, src = 0, dst = 0;
+    if ((rc = cu_use(dst_device, &dst_ctx)) < 0)
+        return rc;
+    if (cu.alloc(&dst, len) != 0) {
+        fmc_set_error("cuMemAlloc of %llu bytes failed on device %d", (unsigned long long)len, dst_device);
+        return FMC_ERR_MEMORY;
+    }
+    if ((rc = cu_use(src_device, &src_ctx)) < 0 || cu.alloc(&src, len) != 0) {
+        cu_use(dst_device, NULL);
+        cu.free(dst);
+        if (rc == 0)
+            fmc_set_error("cuMemAlloc of %llu bytes failed on device %d", (unsigned long long)len, src_device);
+        return rc < 0 ? rc : FMC_ERR_MEMORY;
+    }
+    cu.memset(src, 0x5a, len);
+    cu.sync();
+    uint64_t moved = 0, i = 0;
+    int failed = 0;
+    double t0 = now_s();
+    while (moved < total && !failed) {
+        uint64_t n = total - moved < block ? total - moved : block;
+        if (src_device == dst_device)
+            failed = cu.copy(dst + i * block, src + i * block, n) != 0;
+        else
+            failed = cu.peer(dst + i * block, dst_ctx, src + i * block, src_ctx, n) != 0;
+        moved += n;
+        i = i + 1 == nblocks ? 0 : i + 1;
+    }
+    failed |= cu.sync() != 0;
+    double t1 = now_s();
+    cu.free(src);
+    cu_use(dst_device, NULL);
+    cu.free(dst);
+    if (failed) {
+        fmc_set_error("CUDA device-to-device copy failed");
+        return FMC_ERR_MEMORY;
+    }
+    return set_gbps(moved, t1 - t0, gbps_out);
+}

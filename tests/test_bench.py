@@ -1,0 +1,228 @@
+"""``flagcx-mc bench``: a tiny sweep end to end, and each C baseline on its own."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flagcx_mc import bench, bench_baselines as bl, errors
+from flagcx_mc._fmc_cffi import ffi, lib
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+MiB = 1 << 20
+
+
+def _processes_with_env(token: str) -> list:
+    """Processes whose environment holds ``token`` (the bench's children and grandchildren)."""
+    found = []
+    needle = token.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _bench(tmp_path: Path, *args: str, timeout: float = 55) -> tuple:
+    """Run ``flagcx-mc bench`` as a subprocess; returns (completed process, parsed JSON or None)."""
+    token = f"FLAGCX_MC_BENCH_TEST={uuid.uuid4().hex}"
+    env = dict(os.environ, FLAGCX_MC_BENCH_TEST=token.split("=", 1)[1])
+    out_json = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "flagcx_mc", "bench", "--json", str(out_json), "--png", str(tmp_path / "bench.png"),
+            *args]
+    try:
+        # Run outside the source tree so the installed package (with its compiled core) is imported.
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT / "examples", env=env)
+    finally:
+        deadline = time.monotonic() + 10
+        while _processes_with_env(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _processes_with_env(token)
+        for pid in left:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        assert left == [], "the benchmark left processes behind"
+    data = json.loads(out_json.read_text()) if out_json.exists() else None
+    return proc, data
+
+
+def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
+    proc, data = _bench(tmp_path, "--blocks", "4k,256k", "--batch", "8", "--repeat", "1", "--trials", "2",
+                        "--latency-n", "1000",
+                        "--transports", "tcp,same-host,same-host-shm,gpu,mooncake-tcp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all transfers verified by sha256" in proc.stdout
+    assert data["schema"] == bench.SCHEMA and data["verified"] is True and data["errors"] == []
+    for key in ("started", "host", "options", "transports", "baselines", "baselines_missing", "rows", "latency",
+                "targets"):
+        assert key in data, key
+    ran = {name for name, info in data["transports"].items() if info["available"]}
+    assert "tcp" in ran and ("mooncake-tcp" in ran) == HAVE_MOONCAKE
+    for name, info in data["transports"].items():
+        if not info["available"]:
+            assert info["reason"].startswith(("not available", "skipped", "mooncake.engine cannot")), info
+            assert f"{name}: {info['reason']}" in proc.stdout
+    # Every available transport: 2 blocks x 2 ops, one timed batch each, all verified.
+    for name in ran:
+        rows = [r for r in data["rows"] if r["transport"] == name]
+        assert sorted((r["op"], r["block"]) for r in rows) == sorted(
+            (op, b) for op in ("write", "read") for b in (4096, 256 << 10)), name
+        for r in rows:
+            assert r["verified"] and r["error"] is None and r["count"] == 8 and r["reps"] == 1
+            assert len(r["trials_gbps"]) == 2 and r["gbps"] == max(r["trials_gbps"])
+            assert r["gbps"] > 0 and r["cpu_s_per_gib"] >= 0 and r["bytes"] == r["block"] * 8
+            limit = data["transports"][name]["limit"]
+            if limit not in data["baselines_missing"]:
+                assert r["ratios"][limit] > 0, (name, limit, r)
+            if name != "mooncake-tcp" and "mooncake-tcp" in ran:
+                assert r["ratios"]["mooncake"] > 0 and r["cpu_vs_mooncake"] > 0
+    limits = {b["name"] for b in data["baselines"]}
+    assert "raw socket" in limits and all(b["gbps"] > 0 for b in data["baselines"])
+    assert {x["transport"] for x in data["latency"]} == ran
+    for x in data["latency"]:
+        assert x["verified"] and x["n"] == 1000 and 0 < x["p50_us"] <= x["p99_us"]
+    # One line per target, each PASS, MISS or N/A; N/A exactly where its transport did not run.
+    assert len(data["targets"]) == 7
+    for t in data["targets"]:
+        assert t["status"] in ("PASS", "MISS", "N/A")
+        assert f"{t['status']:<4} {t['name']}" in proc.stdout
+    statuses = {t["name"]: t["status"] for t in data["targets"]}
+    assert statuses["native TCP >= 85% of the raw socket (same streams)"] != "N/A"
+    if "mooncake-tcp" in ran:
+        assert statuses["one 4 KiB sync write: p50 <= 0.7x Mooncake"] != "N/A"
+    if "gpu" not in ran:
+        assert statuses["GPU -> GPU on one host >= 90% of a device-to-device copy"] == "N/A"
+    assert ("plot written to" in proc.stdout) or ("PNG skipped: matplotlib is not installed" in proc.stdout)
+
+
+def test_no_mooncake_is_reported_and_progress_goes_to_stderr(tmp_path):
+    proc, data = _bench(tmp_path, "--blocks", "64k", "--batch", "2", "--repeat", "1", "--ops", "write",
+                        "--latency-n", "1000", "--transports", "tcp,mooncake-tcp", "--no-mooncake", "--png", "")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert data["transports"]["mooncake-tcp"] == {**data["transports"]["mooncake-tcp"], "available": False,
+                                                  "reason": "skipped (--no-mooncake)"}
+    assert [r["transport"] for r in data["rows"]] == ["tcp"]
+    assert "[  2/3]" in proc.stderr and "tcp            write  64 KiB x2" in proc.stderr
+    statuses = {t["name"]: t["status"] for t in data["targets"]}
+    assert statuses["native TCP >= 2x Mooncake at every block size"] == "N/A"
+
+
+def test_bad_options_are_refused(tmp_path):
+    proc, _ = _bench(tmp_path, "--transports", "carrier-pigeon", timeout=30)
+    assert proc.returncode == 2 and "unknown transport" in proc.stderr
+    proc, _ = _bench(tmp_path, "--ops", "copy", timeout=30)
+    assert proc.returncode == 2
+
+
+def test_transport_without_a_setting_is_not_available():
+    fake = bench.Transport("warp", "flagcx_mc", "host", "warp-drive", "memcpy", "made up")
+    ok, reason = bench.availability(fake, bench.BenchOptions())
+    assert not ok and reason.startswith("not available in this build")
+    ok, reason = bench.availability(bench.TRANSPORTS[-1], bench.BenchOptions(mooncake=False))
+    assert not ok and reason == "skipped (--no-mooncake)"
+
+
+def test_shapes_cap_batches_at_64_mib():
+    opts = bench.BenchOptions(blocks=[4096, 64 * MiB], batches=[1, 1024])
+    assert bench.shapes_of(opts) == [(4096, 1), (4096, 1024), (64 * MiB, 1)]
+    assert bench.parse_size("4k") == 4096 and bench.parse_size("64MiB") == 64 * MiB
+
+
+def test_targets_report_the_worst_row():
+    rows = [
+        {"transport": "tcp", "op": "write", "block": b, "count": 4, "verified": True,
+         "ratios": {"mooncake": m, "raw socket": 0.9}, "cpu_vs_mooncake": 0.3}
+        for b, m in ((4096, 3.0), (1 << 20, 1.5))
+    ]
+    lat = [{"transport": "tcp", "verified": True, "p50_us": 20.0},
+           {"transport": "mooncake-tcp", "verified": True, "p50_us": 40.0}]
+    avail = {"tcp": {"available": True}, "mooncake-tcp": {"available": True},
+             "gpu": {"available": False, "reason": "not available on this machine (no CUDA device)"}}
+    targets = {t["name"]: t for t in bl.evaluate_targets(rows, lat, avail)}
+    t = targets["native TCP >= 2x Mooncake at every block size"]
+    assert t["status"] == "MISS" and t["measured"] == 1.5 and "1 MiB" in t["detail"]
+    assert targets["native TCP >= 85% of the raw socket (same streams)"]["status"] == "PASS"
+    assert targets["one 4 KiB sync write: p50 <= 0.7x Mooncake"]["measured"] == 0.5
+    gpu = targets["GPU -> GPU on one host >= 90% of a device-to-device copy"]
+    assert gpu["status"] == "N/A" and "no CUDA device" in gpu["detail"]
+
+
+# ---------------------------------------------------------------------------------- C baselines
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("block", [4096, 1 << 20])
+def test_host_baselines_measure_positive_throughput(block):
+    span = 4 * MiB
+    assert bl.memcpy_gbps(block, span, 32 * MiB) > 0
+    assert bl.tcp_gbps(2, block, span, 32 * MiB) > 0
+    assert bl.pvm_gbps(block, span, 32 * MiB) > 0
+    assert bl.measure("raw socket", block, span, 8 * MiB, streams=3) > 0
+
+
+@pytest.mark.timeout(30)
+def test_odd_totals_and_single_stream():
+    assert bl.tcp_gbps(1, 4096, 4096, 12345) > 0   # not a whole number of blocks
+    assert bl.memcpy_gbps(3000, 7000, 100000) > 0
+    assert bl.pvm_gbps(3000, 7000, 100000) > 0
+
+
+def test_baselines_refuse_bad_arguments():
+    out = ffi.new("double *")
+    bad = lib.FMC_ERR_INVALID_ARGUMENT
+    for rc in (
+        lib.fmc_baseline_memcpy(0, 4096, 4096, out),          # no block
+        lib.fmc_baseline_memcpy(4096, 1024, 4096, out),       # span smaller than a block
+        lib.fmc_baseline_memcpy(4096, 4096, 0, out),          # nothing to move
+        lib.fmc_baseline_memcpy(4096, 4096, 4096, ffi.NULL),  # nowhere to put the answer
+        lib.fmc_baseline_tcp(0, 4096, 4096, 4096, out),       # no stream
+        lib.fmc_baseline_tcp(65, 4096, 4096, 4096, out),      # too many streams
+        lib.fmc_baseline_tcp(1, 0, 4096, 4096, out),
+        lib.fmc_baseline_pvm(4096, 4096, 0, out),
+        lib.fmc_baseline_pvm(8192, 4096, 8192, out),
+        lib.fmc_baseline_pvm(4096, 1 << 41, 4096, out),       # absurd span
+    ):
+        assert rc == bad
+    with pytest.raises(errors.InvalidArgumentError):
+        bl.memcpy_gbps(0, 4096, 4096)
+    with pytest.raises(ValueError):
+        bl.measure("mooncake", 4096, 4096, 4096)
+
+
+def test_cuda_baseline_is_absent_or_works():
+    count, why = bl.cuda_device_count()
+    out = ffi.new("double *")
+    if count == 0:
+        assert why
+        with pytest.raises((bl.BaselineUnavailable, errors.FlagcxMcError)):
+            bl.cuda_d2d_gbps(4096, 4096, 4096)
+        assert lib.fmc_baseline_cuda_d2d(0, 0, 4096, 4096, 4096, out) < 0
+    else:
+        assert bl.cuda_d2d_gbps(1 << 20, 8 * MiB, 64 * MiB) > 0
+        buf = bl.CudaBuffer(1 << 20)
+        try:
+            digest = buf.fill_random(0, 1 << 20)
+            assert buf.digest(0, 1 << 20) == digest
+        finally:
+            buf.close()
+    assert lib.fmc_baseline_cuda_d2d(-1, 0, 4096, 4096, 4096, out) < 0
+    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, out) == lib.FMC_ERR_INVALID_ARGUMENT
+    assert lib.fmc_baseline_cuda_devices(ffi.NULL) == lib.FMC_ERR_INVALID_ARGUMENT
