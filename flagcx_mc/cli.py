@@ -77,7 +77,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--streams", type=int, default=4, help="data streams per peer")
     demo.add_argument("-v", "--verbose", action="store_true")
     sub.add_parser("version", help="print the package and core versions")
+    sub.add_parser("metadata-server", add_help=False,
+                   help="a Mooncake-compatible HTTP metadata server (see `flagcx-mc metadata-server --help`)")
     _add_bench_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["metadata-server"]:
+        from .metadata_server import main as metadata_server_main
+
+        return metadata_server_main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "version":

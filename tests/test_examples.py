@@ -32,3 +32,22 @@ def test_examples_run():
         out = _run(sys.executable, str(example))
         assert out.returncode == 0, f"{example.name}: {out.stdout}{out.stderr}"
         assert "verified" in out.stdout, example.name
+
+
+def test_metadata_server_command_serves_and_stops():
+    import json
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "flagcx_mc", "metadata-server", "--port", "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT / "examples")
+    try:
+        port = int(proc.stdout.readline().strip().split()[-1])
+        url = f"http://127.0.0.1:{port}/metadata?key=k"
+        req = urllib.request.Request(url, data=json.dumps({"a": 1}).encode(), method="PUT")
+        assert urllib.request.urlopen(req, timeout=5).status == 200
+        assert json.loads(urllib.request.urlopen(url, timeout=5).read()) == {"a": 1}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        proc.stdout.close()
