@@ -3,6 +3,7 @@
  * batch and returns only once no stream thread touches the batch's memory. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -22,7 +23,7 @@ void fmc_slice_finish(fmc_slice *s, int status)
         b->first_error = status;
     if (--b->outstanding == 0) {
         fmc_engine *e = b->peer->engine;
-        b->finished = 1;
+        __atomic_store_n(&b->finished, 1, __ATOMIC_RELEASE);
         if (b->first_error == FMC_OK) {
             e->stat_batches_ok++;
             if (b->opcode == FMC_OP_WRITE)
@@ -34,6 +35,23 @@ void fmc_slice_finish(fmc_slice *s, int status)
         }
         pthread_cond_broadcast(&b->cv);
     }
+    pthread_mutex_unlock(&b->mu);
+}
+
+static void finish_list(fmc_slice *s, int status)
+{
+    while (s) {
+        fmc_slice *next = s->next;
+        fmc_slice_finish(s, status);
+        s = next;
+    }
+}
+
+static void mark_error(fmc_batch *b, int status)
+{
+    pthread_mutex_lock(&b->mu);
+    if (b->first_error == FMC_OK)
+        b->first_error = status;
     pthread_mutex_unlock(&b->mu);
 }
 
@@ -56,8 +74,20 @@ static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
     return b;
 }
 
+/* Batches up to this size that land on one idle stream are sent by the calling thread. */
+#define FMC_INLINE_MAX_BYTES (256u << 10)
+
+static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms);
+
 int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                      const uint64_t *lens, fmc_batch **out)
+{
+    return submit(p, opcode, n, local, remote, lens, out, -1);
+}
+
+static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms)
 {
     *out = NULL;
     if ((opcode != FMC_OP_READ && opcode != FMC_OP_WRITE) || n < 0) {
@@ -140,17 +170,27 @@ int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
     b->outstanding = (int)nslices;
     b->finished = nslices == 0;
     *out = b;
+    int used = 0, only = -1;
+    for (int i = 0; i < p->nstreams; i++)
+        if (per_stream[i].head) {
+            used++;
+            only = i;
+        }
+    if (used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_INLINE_MAX_BYTES) {
+        fmc_slice *head = per_stream[only].head;
+        int rc = fmc_stream_enqueue_inline(&p->streams[only], &per_stream[only], inline_deadline_ms);
+        if (rc == FMC_ERR_SOCKET)
+            finish_list(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
+        else if (rc == FMC_ERR_TIMEOUT)
+            mark_error(b, FMC_ERR_TIMEOUT); /* the cut stream fails the slices; report why */
+        return FMC_OK;
+    }
     for (int i = 0; i < p->nstreams; i++) {
         if (!per_stream[i].head)
             continue;
         fmc_slice *head = per_stream[i].head;
-        if (fmc_stream_enqueue(&p->streams[i], &per_stream[i]) != FMC_OK) {
-            while (head) { /* never queued: fail them here */
-                fmc_slice *next = head->next;
-                fmc_slice_finish(head, FMC_ERR_SOCKET);
-                head = next;
-            }
-        }
+        if (fmc_stream_enqueue(&p->streams[i], &per_stream[i]) != FMC_OK)
+            finish_list(head, FMC_ERR_SOCKET); /* never queued */
     }
     return FMC_OK;
 }
@@ -229,11 +269,32 @@ int fmc_batch_cancel(fmc_batch *b)
     return FMC_OK;
 }
 
+/* Microseconds a waiter (and a target between requests) polls before sleeping:
+ * FLAGCX_MC_SPIN_US, default 30, 0 to never poll.  On a VM a sleeping thread takes tens of
+ * microseconds to wake; a small transfer's round trip ends within the poll and saves that
+ * wake-up on each side, at the price of at most this much CPU per call. */
+int fmc_spin_us(void)
+{
+    static int value = -1;
+    if (value < 0) {
+        const char *env = getenv("FLAGCX_MC_SPIN_US");
+        int v = env && *env ? atoi(env) : 30;
+        value = v < 0 ? 0 : v > 10000 ? 10000 : v;
+    }
+    return value;
+}
+
 int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
 {
     struct timespec ts;
     if (timeout_ms >= 0)
         fmc_deadline_ts(timeout_ms, &ts);
+    int spin = fmc_spin_us();
+    if (spin > 0) {
+        int64_t until = fmc_now_us() + spin;
+        while (!__atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) && fmc_now_us() < until)
+            sched_yield();
+    }
     pthread_mutex_lock(&b->mu);
     while (!b->finished) {
         if (timeout_ms < 0) {
@@ -269,7 +330,7 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
                  const uint64_t *lens, int64_t timeout_ms)
 {
     fmc_batch *b = NULL;
-    int rc = fmc_batch_submit(p, opcode, n, local, remote, lens, &b);
+    int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms));
     if (rc != FMC_OK)
         return rc;
     rc = fmc_batch_wait(b, timeout_ms);

@@ -19,6 +19,8 @@
 /* ---------------------------------------------------------------- util (fmc_util.c) */
 void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
+int64_t fmc_now_us(void);
+int fmc_spin_us(void);
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
 void fmc_cond_init_monotonic(pthread_cond_t *cv);
 
@@ -43,6 +45,8 @@ int fmc_reader_skip(fmc_reader *r, size_t n);
 
 int fmc_send_all(int fd, const void *buf, size_t len);
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
+/* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
+int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 int fmc_recv_all(int fd, void *buf, size_t len);
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
 int fmc_tcp_connect(const char *host, int port, int timeout_ms);
@@ -163,6 +167,7 @@ typedef struct fmc_stream {
     fmc_slice_list inflight;  /* sent (or being sent), answer not yet consumed */
     fmc_slice *receiving;     /* answer being read into local memory */
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
+    int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
     int dead;
     int threads_alive;
     int started;
@@ -192,6 +197,7 @@ int fmc_peer_lookup_keys(struct fmc_peer *p, int n, const uint64_t *remote, cons
 void fmc_slice_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
+int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms);
 int fmc_batch_cancel_slices(fmc_batch *b);
 void *fmc_stream_send_main(void *arg);
 void *fmc_stream_recv_main(void *arg);

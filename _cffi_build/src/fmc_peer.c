@@ -62,6 +62,8 @@ static void stream_thread_exit(fmc_stream *st)
     }
     pthread_cond_broadcast(&st->cv);
     if (--st->threads_alive == 0) {
+        while (st->sending_active) /* an inline sender still in sendmsg: shutdown ends it soon */
+            pthread_cond_wait(&st->cv, &st->mu);
         /* Neither thread uses the socket any more: close it now, abortively.  After shutdown()
          * the receiver drains what is queued and a plain close() then sends only a FIN while our
          * window stays shut, which leaves a target blocked in sendmsg (read answers) on a
@@ -106,6 +108,12 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
     return FMC_OK;
 }
 
+typedef struct {
+    uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
+    struct iovec iov[FMC_IOV_MAX];
+    fmc_slice *writes[FMC_IOV_MAX / 2]; /* write slices of the current sendmsg */
+} send_scratch;
+
 /* One request header in the peer's framing; returns its length. */
 static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_t out[FMC_REQ_SIZE])
 {
@@ -120,63 +128,100 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
     return FMC_REQ_SIZE;
 }
 
+/* One send round: gather queued slices into one sendmsg and send it.  Called with st->mu held,
+ * pending non-empty and no other round in progress; returns with st->mu held.  The slices move
+ * to `inflight` before the first byte leaves, because their answers may come back before
+ * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
+static int send_round(fmc_stream *st, send_scratch *sc, int64_t deadline_ms)
+{
+    int niov = 0, nh = 0, nw = 0;
+    size_t bytes = 0;
+    st->sending_active = 1;
+    while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
+        fmc_slice *s = st->pending.head;
+        st->pending.head = s->next;
+        if (!st->pending.head)
+            st->pending.tail = NULL;
+        list_push(&st->inflight, s);
+        int is_write = s->batch->opcode == FMC_OP_WRITE;
+        size_t hlen = encode_request(st->peer->proto, s, is_write, sc->hdr[nh]);
+        sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
+        bytes += hlen;
+        if (is_write) {
+            sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
+            bytes += s->len;
+            s->sending = 1;
+            sc->writes[nw++] = s;
+        }
+    }
+    int fd = st->fd;
+    pthread_mutex_unlock(&st->mu);
+    int rc = deadline_ms < 0 ? fmc_sendv_all(fd, sc->iov, niov) : fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
+    pthread_mutex_lock(&st->mu);
+    /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
+     * set, so the pointers are still valid; the ones already answered are ours to finish. */
+    for (int i = 0; i < nw; i++)
+        sc->writes[i]->sending = 0;
+    st->sending_active = 0;
+    pthread_cond_broadcast(&st->cv); /* the sender thread, or an exit path waiting to close fd */
+    if (st->answered.head) {
+        fmc_slice *s = st->answered.head;
+        st->answered.head = st->answered.tail = NULL;
+        pthread_mutex_unlock(&st->mu);
+        while (s) {
+            fmc_slice *next = s->next;
+            fmc_slice_finish(s, s->answer_status);
+            s = next;
+        }
+        pthread_mutex_lock(&st->mu);
+    }
+    return rc;
+}
+
 void *fmc_stream_send_main(void *arg)
 {
     fmc_stream *st = arg;
-    uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
-    struct iovec iov[FMC_IOV_MAX];
-    fmc_slice *writes[FMC_IOV_MAX / 2]; /* write slices of the current sendmsg */
+    send_scratch sc;
     pthread_mutex_lock(&st->mu);
     for (;;) {
-        while (!st->dead && !st->pending.head)
+        while (!st->dead && (!st->pending.head || st->sending_active))
             pthread_cond_wait(&st->cv, &st->mu);
         if (st->dead)
             break;
-        /* Gather queued slices into one sendmsg; they move to `inflight` before the first byte
-         * leaves, because their answers may come back before sendmsg returns. */
-        int niov = 0, nh = 0, nw = 0;
-        size_t bytes = 0;
-        while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
-            fmc_slice *s = st->pending.head;
-            st->pending.head = s->next;
-            if (!st->pending.head)
-                st->pending.tail = NULL;
-            list_push(&st->inflight, s);
-            int is_write = s->batch->opcode == FMC_OP_WRITE;
-            size_t hlen = encode_request(st->peer->proto, s, is_write, hdr[nh]);
-            iov[niov++] = (struct iovec){.iov_base = hdr[nh++], .iov_len = hlen};
-            bytes += hlen;
-            if (is_write) {
-                iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
-                bytes += s->len;
-                s->sending = 1;
-                writes[nw++] = s;
-            }
-        }
-        pthread_mutex_unlock(&st->mu);
-        int rc = fmc_sendv_all(st->fd, iov, niov);
-        pthread_mutex_lock(&st->mu);
-        /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
-         * set, so the pointers are still valid; the ones already answered are ours to finish. */
-        for (int i = 0; i < nw; i++)
-            writes[i]->sending = 0;
-        if (st->answered.head) {
-            fmc_slice *s = st->answered.head;
-            st->answered.head = st->answered.tail = NULL;
-            pthread_mutex_unlock(&st->mu);
-            while (s) {
-                fmc_slice *next = s->next;
-                fmc_slice_finish(s, s->answer_status);
-                s = next;
-            }
-            pthread_mutex_lock(&st->mu);
-        }
-        if (rc < 0)
+        if (send_round(st, &sc, -1) < 0)
             break;
     }
     pthread_mutex_unlock(&st->mu);
     stream_thread_exit(st);
     return NULL;
+}
+
+/* Queue `list` and, when the stream is idle, send it from the calling thread: a small transfer
+ * then costs no wake-up of the sender thread.  A send that cannot finish by the deadline cuts
+ * the stream (its slices then fail, reported as a timeout). */
+int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->dead) {
+        pthread_mutex_unlock(&st->mu);
+        return FMC_ERR_SOCKET;
+    }
+    int idle = !st->pending.head && !st->sending_active;
+    list_append(&st->pending, list);
+    if (!idle) {
+        pthread_cond_signal(&st->cv);
+        pthread_mutex_unlock(&st->mu);
+        return FMC_OK;
+    }
+    send_scratch *sc = malloc(sizeof *sc);
+    int rc = sc ? send_round(st, sc, deadline_ms) : -1;
+    free(sc);
+    if (st->pending.head)
+        pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+    if (rc < 0)
+        fmc_stream_kill(st);
+    return rc == -2 ? FMC_ERR_TIMEOUT : FMC_OK; /* other failures surface through the slices */
 }
 
 static int remote_status(int32_t status)

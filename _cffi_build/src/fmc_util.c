@@ -35,6 +35,13 @@ int64_t fmc_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+int64_t fmc_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts)
 {
     clock_gettime(CLOCK_MONOTONIC, ts);
@@ -188,6 +195,39 @@ int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt)
             if (errno == EINTR)
                 continue;
             return -1;
+        }
+        size_t left = (size_t)n;
+        while (iovcnt > 0 && left >= iov->iov_len) {
+            left -= iov->iov_len;
+            iov++;
+            iovcnt--;
+        }
+        if (iovcnt > 0 && left) {
+            iov->iov_base = (uint8_t *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms)
+{
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    while (iovcnt > 0) {
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)iovcnt;
+        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                return -1;
+            int64_t left = deadline_ms - fmc_now_ms();
+            struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+            if (left <= 0 || poll(&pfd, 1, (int)(left > 1000 ? 1000 : left)) < 0)
+                return left <= 0 ? -2 : -1;
+            continue;
         }
         size_t left = (size_t)n;
         while (iovcnt > 0 && left >= iov->iov_len) {
