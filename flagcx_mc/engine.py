@@ -28,6 +28,7 @@ from .handshake.codec import MessageType
 from .handshake.server import HandshakeServer, request
 from .local_segment import LocalSegment
 from .managed import ManagedPool
+from .metrics import EngineMetrics
 from .metastore import open_store, parse_metadata_server
 from .names import TransferNotify, TransferOpcode
 from .netaddr import format_host_port, parse_host_port, rpc_port_range
@@ -79,6 +80,7 @@ class AsyncTransferEngine:
         self._log_task: Optional[asyncio.Task] = None
         self._managed: Optional[ManagedPool] = None
         self._batches = BatchTable()
+        self.metrics = EngineMetrics()
         self._notifies: Deque[TransferNotify] = collections.deque(maxlen=65536)
         self._store: Optional[StoreResolver] = None  # set when a metadata server is used
         self._host = ""
@@ -204,8 +206,10 @@ class AsyncTransferEngine:
         return self._rpc_port
 
     def stats(self) -> dict:
-        """Counters of the C core (bytes, batches, refusals, connections)."""
-        return self._require_core().stats()
+        """The C core's counters (bytes, batches, refusals, connections) as flat keys, plus
+        ``session``, ``totals`` and ``peers`` (per-peer bytes, transfers, failures and a latency
+        histogram of transfer calls; see metrics.py)."""
+        return {**self._require_core().stats(), "session": self.session_name, **self.metrics.snapshot()}
 
     async def get_local_topology(self, device_name: Optional[str] = None) -> str:
         """Mooncake's priority matrix as JSON; with no RDMA devices every location maps to none."""
@@ -336,14 +340,19 @@ class AsyncTransferEngine:
         sessions = self._require_sessions()
         if req.count == 0:
             return None
-        session = await sessions.get(target)
-        rc, why = await self._in_executor(req.run, session, self._config)
-        if needs_refresh(rc):
-            session = await sessions.refresh(target, session)
+        started, ok = time.perf_counter(), False
+        try:
+            session = await sessions.get(target)
             rc, why = await self._in_executor(req.run, session, self._config)
-        if rc != 0:
-            raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
-        return session
+            if needs_refresh(rc):
+                session = await sessions.refresh(target, session)
+                rc, why = await self._in_executor(req.run, session, self._config)
+            if rc != 0:
+                raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+            ok = True
+            return session
+        finally:
+            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, ok)
 
     # ------------------------------------------------------------------ asynchronous batches
 

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Coroutine, List, Optional, Sequence, TypeVar
 
@@ -267,15 +268,21 @@ class TransferEngine:
             raise errors.EngineStateError("engine not initialized")
         if req.count == 0:
             return 0
-        session = self._session(target)
-        config = self._engine.config
-        rc, why = req.run(session, config)
-        if needs_refresh(rc):
-            session = self._run(self._engine._require_sessions().refresh(target, session))
+        started, ok = time.perf_counter(), False
+        try:
+            session = self._session(target)
+            config = self._engine.config
             rc, why = req.run(session, config)
-        if rc != 0:
-            raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
-        return 0
+            if needs_refresh(rc):
+                session = self._run(self._engine._require_sessions().refresh(target, session))
+                rc, why = req.run(session, config)
+            if rc != 0:
+                raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+            ok = True
+            return 0
+        finally:
+            self._engine.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes,
+                                        time.perf_counter() - started, ok)
 
     # ------------------------------------------------------------------ asynchronous batches
 
