@@ -52,6 +52,8 @@ int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
 int fmc_register(fmc_engine *engine, uint64_t addr, uint64_t len, uint32_t *key_out);
 int fmc_unregister(fmc_engine *engine, uint64_t addr);
 int fmc_region_table(fmc_engine *engine, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap);
+int fmc_region_slots(fmc_engine *engine, int32_t *slots, uint32_t *gens, int cap);
+int fmc_engine_same_host_fd(fmc_engine *engine);
 
 int fmc_peer_create(fmc_engine *engine, const char *host, int data_port, int nstreams,
                     uint64_t slice_size, fmc_peer **out);
@@ -60,6 +62,10 @@ int fmc_peer_set_regions(fmc_peer *peer, const uint64_t *addrs, const uint64_t *
 int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *base_out,
                          uint32_t *key_out);
 int fmc_peer_set_protocol(fmc_peer *peer, int proto);
+int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32_t *slots,
+                              const uint32_t *gens, int n);
+int fmc_peer_enable_same_host(fmc_peer *peer, int pid, int ctrl_fd);
+int fmc_peer_is_same_host(fmc_peer *peer);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);
 void fmc_peer_close(fmc_peer *peer);

@@ -112,6 +112,22 @@ class CoreEngine:
                 return [(int(addrs[i]), int(lens[i]), int(keys[i])) for i in range(n)]
             cap = n * 2
 
+    def region_slots(self) -> List[Tuple[int, int]]:
+        """(same-host slot, generation) of each region, in ``region_table`` order (slot -1: none)."""
+        cap = 64
+        while True:
+            slots = ffi.new("int32_t[]", cap)
+            gens = ffi.new("uint32_t[]", cap)
+            n = lib.fmc_region_slots(self._ptr, slots, gens, cap)
+            if n <= cap:
+                return [(int(slots[i]), int(gens[i])) for i in range(n)]
+            cap = n * 2
+
+    @property
+    def same_host_fd(self) -> int:
+        """fd of the control block same-host peers map (-1 if this engine has none)."""
+        return int(lib.fmc_engine_same_host_fd(self._ptr))
+
     def stats(self) -> dict:
         s = ffi.new("fmc_stats *")
         lib.fmc_engine_get_stats(self._ptr, s)
@@ -174,6 +190,22 @@ class CorePeer:
     def set_protocol(self, proto: int) -> None:
         """Speak Mooncake's TCP framing (``PROTO_MOONCAKE``) instead of ours; before ``connect``."""
         _raise_for(lib.fmc_peer_set_protocol(self._ptr, proto))
+
+    def set_region_slots(self, regions: Sequence[Tuple[int, int, int]]) -> None:
+        """(addr, slot, gen) of remote regions, for the same-host path."""
+        n = len(regions)
+        addrs = ffi.new("uint64_t[]", [r[0] for r in regions] or [0])
+        slots = ffi.new("int32_t[]", [r[1] for r in regions] or [0])
+        gens = ffi.new("uint32_t[]", [r[2] for r in regions] or [0])
+        _raise_for(lib.fmc_peer_set_region_slots(self._ptr, addrs, slots, gens, n))
+
+    def enable_same_host(self, pid: int, ctrl_fd: int) -> None:
+        """Copy with process_vm_writev/readv into process ``pid``; raises if the kernel refuses."""
+        _raise_for(lib.fmc_peer_enable_same_host(self._ptr, pid, ctrl_fd))
+
+    @property
+    def same_host(self) -> bool:
+        return bool(lib.fmc_peer_is_same_host(self._ptr))
 
     def connect(self, timeout_ms: int) -> None:
         """Open every data stream (blocking; run it off the event loop)."""

@@ -44,6 +44,7 @@ class EngineConfig:
     slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
     wait_threads: int = 64               # executor threads that wait for completions (async API)
     secret: Optional[bytes] = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)
+    transport: str = "auto"              # auto: same-host copies where possible, else TCP; or tcp / same-host
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
@@ -54,6 +55,7 @@ class EngineConfig:
             "streams_per_peer": _env_number("FLAGCX_MC_STREAMS", int),
             "slice_size": _env_number("FLAGCX_MC_SLICE_SIZE", int),
             "wait_threads": _env_number("FLAGCX_MC_WAIT_THREADS", int),
+            "transport": os.environ.get("FLAGCX_MC_TRANSPORT") or None,
         }
         values.update({k: v for k, v in own.items() if v is not None})
         env_secret = os.environ.get("FLAGCX_MC_SECRET")
@@ -77,6 +79,8 @@ class EngineConfig:
             raise InvalidArgumentError("slice_size must be in [4 KiB, 64 MiB]")
         if self.wait_threads < 1:
             raise InvalidArgumentError("wait_threads must be positive")
+        if self.transport not in ("auto", "tcp", "same-host"):
+            raise InvalidArgumentError("transport must be 'auto', 'tcp' or 'same-host'")
         if self.secret is not None and not (isinstance(self.secret, bytes) and 1 <= len(self.secret) <= 256):
             raise InvalidArgumentError("secret must be 1 to 256 bytes")
 

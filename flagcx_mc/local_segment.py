@@ -17,7 +17,7 @@ __all__ = ["LocalSegment", "NATIVE_VERSION"]
 NATIVE_VERSION = 1
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -31,11 +31,14 @@ class LocalSegment:
     def __init__(self, core: CoreEngine, notifies: Deque[TransferNotify]) -> None:
         self._core = core
         self._notifies = notifies
-        self._boot_id = _boot_id()
+        self._boot_id = boot_id()
         self.name = ""
 
     def desc(self) -> SegmentDesc:
         table = self._core.region_table()
+        slots = self._core.region_slots()
+        if len(slots) != len(table):  # registry changed between the two reads: no same-host hints
+            slots = [(-1, 0)] * len(table)
         return SegmentDesc(
             name=self.name,
             protocol="tcp",
@@ -45,9 +48,11 @@ class LocalSegment:
             native=NativeInfo(
                 version=NATIVE_VERSION,
                 data_port=self._core.data_port,
-                regions=tuple(RegionDesc(addr=a, length=n, key=k) for a, n, k in table),
+                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g)
+                              for (a, n, k), (sl, g) in zip(table, slots)),
                 boot_id=self._boot_id,
                 pid=os.getpid(),
+                shm_fd=self._core.same_host_fd,
             ),
         )
 

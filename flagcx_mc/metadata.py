@@ -53,6 +53,8 @@ class RegionDesc:
     addr: int
     length: int
     key: int
+    slot: int = -1  # same-host control slot (-1: none), with its generation
+    gen: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,20 @@ class NativeInfo:
     regions: tuple[RegionDesc, ...]
     boot_id: str
     pid: int
+    shm_fd: int = -1  # fd number of the same-host control block in process `pid` (-1: none)
 
     def to_json_dict(self) -> dict[str, Any]:
         """JSON form stored under the ``"flagcx_mc"`` key."""
-        return {
+        out = {
             "version": self.version,
             "data_port": self.data_port,
-            "regions": [{"addr": r.addr, "length": r.length, "key": r.key} for r in self.regions],
+            "regions": [_region_json(r) for r in self.regions],
             "boot_id": self.boot_id,
             "pid": self.pid,
         }
+        if self.shm_fd >= 0:
+            out["shm_fd"] = self.shm_fd
+        return out
 
     @classmethod
     def from_json_dict(cls, d: object) -> "NativeInfo":
@@ -91,14 +97,26 @@ class NativeInfo:
             length = _req_uint(r, "length", where)
             if addr + length > _U64:
                 raise MalformedJsonError(f"{where}: addr + length overflows 64 bits")
-            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32)))
+            slot, gen = -1, 0
+            if "slot" in r:
+                slot = _req_uint(r, "slot", where, bound=_U32)
+                gen = _req_uint(r, "gen", where, bound=_U32)
+            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32), slot, gen))
         return cls(
             version=_req_uint(obj, "version", NATIVE_KEY),
             data_port=_req_port(obj, "data_port", NATIVE_KEY),
             regions=tuple(regions),
             boot_id=_req_str(obj, "boot_id", NATIVE_KEY),
             pid=_req_uint(obj, "pid", NATIVE_KEY),
+            shm_fd=_req_uint(obj, "shm_fd", NATIVE_KEY, bound=1 << 31) if "shm_fd" in obj else -1,
         )
+
+
+def _region_json(r: RegionDesc) -> dict[str, Any]:
+    out = {"addr": r.addr, "length": r.length, "key": r.key}
+    if r.slot >= 0:
+        out["slot"], out["gen"] = r.slot, r.gen
+    return out
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,11 @@ _COMMANDS = frozenset({"init", "add_region", "unregister", "fill", "set", "diges
 
 
 def _serve() -> None:
+    if os.environ.get("FLAGCX_MC_NODE_NONDUMPABLE") == "1":
+        # Tests use this to make the kernel refuse other processes access to this one's memory.
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
     node = _Node()
     out = sys.stdout
     sys.stdout = sys.stderr  # only replies go to the real stdout

@@ -18,6 +18,7 @@ from . import errors
 from ._core import PROTO_MOONCAKE, CoreEngine, CorePeer
 from .config import EngineConfig
 from .metadata import SegmentDesc
+from .local_segment import boot_id
 from .resolvers import Resolver
 
 __all__ = ["Session", "SessionCache"]
@@ -50,6 +51,7 @@ class SessionCache:
         self._open: Dict[str, Session] = {}
         self._opening: Dict[str, asyncio.Task] = {}
         self._refreshing: Dict[str, asyncio.Task] = {}
+        self._fallbacks_logged: set = set()
 
     def peek(self, name: str) -> Optional[Session]:
         """The open, healthy session for ``name`` or None; safe from any thread."""
@@ -133,17 +135,48 @@ class SessionCache:
         peer = CorePeer(self._core, host, data_port, self._config.streams_per_peer, self._config.slice_size)
         if desc.native is None:
             peer.set_protocol(PROTO_MOONCAKE)
-        peer.set_regions(_regions(desc))
+        _set_regions(peer, desc)
+        self._try_same_host(peer, desc)
         return peer
+
+    def _try_same_host(self, peer: CorePeer, desc: SegmentDesc) -> None:
+        """Copy with process_vm_writev when the peer runs on this kernel and lets us; otherwise
+        stay on TCP, saying why once (or fail, if the config demands the same-host path)."""
+        wanted = self._config.transport
+        native = desc.native
+        if wanted == "tcp":
+            return
+        reason = ""
+        if native is None or native.shm_fd < 0:
+            reason = "the peer offers no same-host control block"
+        elif native.boot_id != boot_id() or not native.boot_id:
+            reason = "the peer runs on another host"
+        else:
+            try:
+                peer.enable_same_host(native.pid, native.shm_fd)
+                return
+            except errors.FlagcxMcError as exc:
+                reason = str(exc)
+        if wanted == "same-host":
+            raise errors.NotSupportedError(f"same-host transport to {desc.name} unavailable: {reason}")
+        if native is not None and native.boot_id == boot_id() and reason not in self._fallbacks_logged:
+            self._fallbacks_logged.add(reason)
+            log.warning("same-host transport to %s unavailable, using TCP: %s", desc.name, reason)
 
     async def _refresh(self, name: str, stale: Session) -> Session:
         _, _, desc = await self._resolve(name)
         if _identity(desc) != _identity(stale.desc):
             self.evict(name, stale, "the peer restarted")
             return await self.get(name)
-        stale.peer.set_regions(_regions(desc))
+        _set_regions(stale.peer, desc)
         stale.desc = desc
         return stale
+
+
+def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
+    peer.set_regions(_regions(desc))
+    if desc.native is not None:
+        peer.set_region_slots([(r.addr, r.slot, r.gen) for r in desc.native.regions])
 
 
 def _regions(desc: SegmentDesc) -> List[Tuple[int, int, int]]:

@@ -55,6 +55,52 @@ static void mark_error(fmc_batch *b, int status)
     pthread_mutex_unlock(&b->mu);
 }
 
+static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices);
+
+/* The same-host path: copy now, in this thread, and hand back a batch that is already finished.
+ * Returns 1 (not taken: some region has no same-host slot) so the caller falls back to TCP. */
+static int same_host(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                     const uint64_t *lens, fmc_batch **out, int64_t deadline_ms)
+{
+    int32_t *slots = malloc(sizeof *slots * (size_t)(n ? n : 1));
+    uint32_t *gens = malloc(sizeof *gens * (size_t)(n ? n : 1));
+    if (!slots || !gens) {
+        free(slots);
+        free(gens);
+        return FMC_ERR_MEMORY;
+    }
+    if (!fmc_peer_lookup_slots(p, n, remote, lens, slots, gens)) {
+        free(slots);
+        free(gens);
+        return 1;
+    }
+    int rc = fmc_sh_transfer(p, opcode, n, local, remote, lens, slots, gens, deadline_ms);
+    free(slots);
+    free(gens);
+    fmc_batch *b = batch_alloc(p, opcode, n, 0);
+    if (!b)
+        return FMC_ERR_MEMORY;
+    uint64_t bytes = 0;
+    for (int i = 0; i < n; i++) {
+        b->task_status[i] = rc;
+        bytes += lens[i];
+    }
+    b->first_error = rc;
+    b->finished = 1;
+    fmc_engine *e = p->engine;
+    if (rc == FMC_OK) {
+        e->stat_batches_ok++;
+        if (opcode == FMC_OP_WRITE)
+            e->stat_written_out += bytes;
+        else
+            e->stat_read_in += bytes;
+    } else {
+        e->stat_batches_failed++;
+    }
+    *out = b;
+    return FMC_OK;
+}
+
 static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
 {
     size_t size = sizeof(fmc_batch) + (size_t)nslices * sizeof(fmc_slice) + (size_t)ntasks * 2 * sizeof(int32_t);
@@ -121,6 +167,13 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             return FMC_ERR_ADDRESS_NOT_REGISTERED;
         }
         nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
+    }
+    if (p->sh) {
+        rc = same_host(p, opcode, n, local, remote, lens, out, inline_deadline_ms);
+        if (rc != 1) {
+            free(keys);
+            return rc;
+        }
     }
     if (nslices > (1u << 30)) {
         free(keys);

@@ -67,6 +67,8 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
     fmc_cond_init_monotonic(&e->cv);
     e->wake_pipe[0] = e->wake_pipe[1] = -1;
     e->accept_mooncake_wire = 1;
+    e->sh_fd = -1;
+    fmc_sh_engine_init(e); /* optional: without it peers use TCP */
     int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);
     if (fd < 0) {
         free(e);
@@ -135,6 +137,7 @@ void fmc_engine_destroy(fmc_engine *e)
         pthread_cond_wait(&e->cv, &e->mu);
     pthread_mutex_unlock(&e->mu);
     fmc_registry_free(&e->reg);
+    fmc_sh_engine_free(e);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->log_mu);
     pthread_cond_destroy(&e->cv);
@@ -183,6 +186,13 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
     int writable = fmc_range_writable(addr, len); /* read-only regions serve reads only */
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
+    if (rc == FMC_OK) {
+        fmc_region *r = fmc_registry_find(&e->reg, addr, len);
+        if (writable)
+            fmc_sh_slot_assign(e, r);
+        else
+            r->sh_slot = -1; /* same-host peers would write it with no check: keep them on TCP */
+    }
     pthread_mutex_unlock(&e->mu);
     if (rc == FMC_OK && key_out)
         *key_out = key;
@@ -220,9 +230,22 @@ int fmc_unregister(fmc_engine *e, uint64_t addr)
         fmc_deadline_ts(20, &ts);
         pthread_cond_timedwait(&e->cv, &e->mu, &ts);
     }
+    int rc = fmc_sh_slot_revoke(e, r); /* and no same-host peer is copying into it */
     pthread_mutex_unlock(&e->mu);
     free(r);
-    return FMC_OK;
+    return rc;
+}
+
+int fmc_region_slots(fmc_engine *e, int32_t *slots, uint32_t *gens, int cap)
+{
+    pthread_mutex_lock(&e->mu);
+    int n = e->reg.count;
+    for (int i = 0; i < n && i < cap; i++) {
+        slots[i] = e->reg.items[i]->sh_slot;
+        gens[i] = e->reg.items[i]->sh_gen;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return n;
 }
 
 int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap)

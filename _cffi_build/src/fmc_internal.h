@@ -64,6 +64,16 @@ int fmc_equal_ct(const uint8_t *a, const uint8_t *b, size_t n);
 int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce);
 int fmc_auth_client(int fd, const fmc_secret *s);
 
+/* ---------------------------------------------------------------- same host (fmc_samehost.c) */
+#define FMC_SH_MAX_SLOTS 4096
+#define FMC_SH_MAX_INITIATORS 256
+typedef struct {
+    uint64_t magic;
+    _Atomic uint64_t slot_state[FMC_SH_MAX_SLOTS]; /* (generation << 1) | active */
+    _Atomic uint64_t busy[FMC_SH_MAX_INITIATORS];  /* 0, or slot + 1 while copying */
+    _Atomic int busy_pid[FMC_SH_MAX_INITIATORS];   /* owner of each busy word */
+} fmc_sh_ctrl;
+
 /* ---------------------------------------------------------------- registry (fmc_registry.c) */
 typedef struct fmc_region {
     uint64_t addr, len;
@@ -71,6 +81,8 @@ typedef struct fmc_region {
     int refs;     /* remote operations currently touching the region */
     int removed;  /* unregistered: no new pins */
     int writable; /* mapped writable when registered; remote writes to others are refused */
+    int sh_slot;      /* same-host control slot, -1 if none */
+    uint32_t sh_gen;  /* generation of that slot */
 } fmc_region;
 
 typedef struct {
@@ -110,6 +122,9 @@ struct fmc_engine {
     int stopping;
     int accept_mooncake_wire; /* serve Mooncake's TCP framing on the data port too */
     fmc_secret secret;        /* set before any connection; guarded by mu when changed */
+    fmc_sh_ctrl *sh;          /* same-host control block (memfd), NULL if unavailable */
+    int sh_fd;
+    uint8_t sh_slot_used[FMC_SH_MAX_SLOTS]; /* guarded by mu */
     atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
@@ -184,7 +199,11 @@ struct fmc_peer {
     pthread_mutex_t mu;       /* remote table, state */
     uint64_t *r_addr, *r_len;
     uint32_t *r_key;
+    int32_t *r_slot;          /* same-host slot of each region (-1: none) */
+    uint32_t *r_gen;
     int r_count;
+    fmc_sh_ctrl *sh;          /* mapped control block of a same-host peer, else NULL */
+    int sh_pid, sh_index;
     int connected, closed;
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */
@@ -194,6 +213,15 @@ struct fmc_peer {
 
 int fmc_peer_lookup_keys(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens,
                          uint32_t *keys, int *bad_index);
+int fmc_sh_engine_init(fmc_engine *e);
+void fmc_sh_engine_free(fmc_engine *e);
+void fmc_sh_slot_assign(fmc_engine *e, fmc_region *r);
+int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r);
+void fmc_sh_peer_release(struct fmc_peer *p);
+int fmc_peer_lookup_slots(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, int32_t *slots,
+                          uint32_t *gens);
+int fmc_sh_transfer(struct fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                    const uint64_t *lens, const int32_t *slots, const uint32_t *gens, int64_t deadline_ms);
 void fmc_slice_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);

@@ -351,6 +351,8 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
     return FMC_OK;
 }
 
+static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key);
+
 int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *lens, const uint32_t *keys, int n)
 {
     if (n < 0)
@@ -377,16 +379,99 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
         l[j] = lens[i];
         k[j] = keys[i];
     }
+    int32_t *sl = malloc(sizeof *sl * (size_t)(n ? n : 1));
+    uint32_t *g = calloc((size_t)(n ? n : 1), sizeof *g);
+    if (!sl || !g) {
+        free(a);
+        free(l);
+        free(k);
+        free(sl);
+        free(g);
+        return FMC_ERR_MEMORY;
+    }
+    for (int i = 0; i < n; i++)
+        sl[i] = -1; /* no same-host slot until fmc_peer_set_region_slots says so */
     pthread_mutex_lock(&p->mu);
     free(p->r_addr);
     free(p->r_len);
     free(p->r_key);
+    free(p->r_slot);
+    free(p->r_gen);
     p->r_addr = a;
     p->r_len = l;
     p->r_key = k;
+    p->r_slot = sl;
+    p->r_gen = g;
     p->r_count = n;
     pthread_mutex_unlock(&p->mu);
     return FMC_OK;
+}
+
+/* Same-host slots of remote regions, by region start address (after fmc_peer_set_regions). */
+int fmc_peer_set_region_slots(fmc_peer *p, const uint64_t *addrs, const int32_t *slots, const uint32_t *gens, int n)
+{
+    pthread_mutex_lock(&p->mu);
+    for (int i = 0; i < n; i++) {
+        int lo = 0, hi = p->r_count - 1;
+        while (lo <= hi) {
+            int mid = lo + (hi - lo) / 2;
+            if (p->r_addr[mid] == addrs[i]) {
+                p->r_slot[mid] = slots[i] >= 0 && slots[i] < FMC_SH_MAX_SLOTS ? slots[i] : -1;
+                p->r_gen[mid] = gens[i];
+                break;
+            }
+            if (p->r_addr[mid] < addrs[i])
+                lo = mid + 1;
+            else
+                hi = mid - 1;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return FMC_OK;
+}
+
+int fmc_peer_is_same_host(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int on = p->sh != NULL;
+    pthread_mutex_unlock(&p->mu);
+    return on;
+}
+
+/* Slots for every task; 0 if some task's region has none (then the batch goes over TCP). */
+int fmc_peer_lookup_slots(fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, int32_t *slots,
+                          uint32_t *gens)
+{
+    pthread_mutex_lock(&p->mu);
+    for (int i = 0; i < n; i++) {
+        slots[i] = -1;
+        gens[i] = 0;
+        if (lens[i] == 0)
+            continue;
+        uint64_t base;
+        if (find_locked(p, remote[i], lens[i], &base, NULL) != FMC_OK) {
+            pthread_mutex_unlock(&p->mu);
+            return 0;
+        }
+        int lo = 0, hi = p->r_count - 1, idx = -1;
+        while (lo <= hi) {
+            int mid = lo + (hi - lo) / 2;
+            if (p->r_addr[mid] <= base) {
+                idx = mid;
+                lo = mid + 1;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        if (idx < 0 || p->r_slot[idx] < 0) {
+            pthread_mutex_unlock(&p->mu);
+            return 0;
+        }
+        slots[i] = p->r_slot[idx];
+        gens[i] = p->r_gen[idx];
+    }
+    pthread_mutex_unlock(&p->mu);
+    return 1;
 }
 
 /* The seed's make_desc: the remote region and key that wholly hold [addr, addr+len). */
@@ -591,8 +676,11 @@ void fmc_peer_release(fmc_peer *p)
         pthread_cond_destroy(&p->streams[i].cv);
     }
     pthread_mutex_destroy(&p->mu);
+    fmc_sh_peer_release(p);
     free(p->r_addr);
     free(p->r_len);
     free(p->r_key);
+    free(p->r_slot);
+    free(p->r_gen);
     free(p);
 }

@@ -1,0 +1,253 @@
+/* Same-host transport: the initiator copies with process_vm_writev / process_vm_readv straight
+ * between its memory and the target's registered memory, no sockets, no second copy.
+ *
+ * The target still decides what may be touched.  It publishes a control block in a memfd that
+ * same-host peers map (via /proc/<pid>/fd/<fd>): one state word per registered region (slot,
+ * generation, active bit) and one "busy" word per initiator.  An initiator announces the region
+ * it is about to copy in its busy word, then re-reads the region's state, and copies only if the
+ * region is still active with the generation it knows.  Unregister clears the active bit, then
+ * waits until no busy word names the region.  Both sides use sequentially consistent atomics, so
+ * (Dekker) either the initiator sees the region revoked or unregister sees it busy: no byte is
+ * written after unregister returns.  A dead initiator's busy word is cleared; a stopped one makes
+ * unregister fail with -4 rather than pretend.
+ *
+ * The copy runs in the calling thread, so a timed-out or failed call has stopped touching its
+ * buffers when it returns; copying into a stopped (SIGSTOP) target works and needs no answer. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+
+#define SH_MAGIC 0x31304d4853434d46ull /* "FMCSHM01" */
+#define SH_CHUNK (4u << 20)            /* bytes per syscall: bounds the time between deadline checks */
+#define SH_IOV 1024
+
+static size_t ctrl_size(void) { return sizeof(fmc_sh_ctrl); }
+
+/* ------------------------------------------------------------------ target side */
+
+int fmc_sh_engine_init(fmc_engine *e)
+{
+    e->sh_fd = memfd_create("flagcx-mc-ctrl", MFD_CLOEXEC);
+    if (e->sh_fd < 0)
+        return FMC_ERR_NOT_IMPLEMENTED;
+    if (ftruncate(e->sh_fd, (off_t)ctrl_size()) != 0) {
+        close(e->sh_fd);
+        e->sh_fd = -1;
+        return FMC_ERR_MEMORY;
+    }
+    void *m = mmap(NULL, ctrl_size(), PROT_READ | PROT_WRITE, MAP_SHARED, e->sh_fd, 0);
+    if (m == MAP_FAILED) {
+        close(e->sh_fd);
+        e->sh_fd = -1;
+        return FMC_ERR_MEMORY;
+    }
+    e->sh = m;
+    e->sh->magic = SH_MAGIC;
+    return FMC_OK;
+}
+
+void fmc_sh_engine_free(fmc_engine *e)
+{
+    if (e->sh) {
+        munmap(e->sh, ctrl_size());
+        e->sh = NULL;
+    }
+    if (e->sh_fd >= 0)
+        close(e->sh_fd);
+    e->sh_fd = -1;
+}
+
+int fmc_engine_same_host_fd(fmc_engine *e) { return e->sh ? e->sh_fd : -1; }
+
+/* Give a new region a slot; caller holds e->mu.  No slot (all in use): the region is simply not
+ * reachable by the same-host path (peers fall back to TCP for it). */
+void fmc_sh_slot_assign(fmc_engine *e, fmc_region *r)
+{
+    r->sh_slot = -1;
+    if (!e->sh)
+        return;
+    for (int i = 0; i < FMC_SH_MAX_SLOTS; i++) {
+        uint64_t st = atomic_load(&e->sh->slot_state[i]);
+        if (!(st & 1) && !e->sh_slot_used[i]) {
+            uint32_t gen = (uint32_t)(st >> 1) + 1;
+            e->sh_slot_used[i] = 1;
+            r->sh_slot = i;
+            r->sh_gen = gen;
+            atomic_store(&e->sh->slot_state[i], ((uint64_t)gen << 1) | 1);
+            return;
+        }
+    }
+}
+
+static int process_state(int pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 'X';
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *rp = strrchr(buf, ')');
+    return rp && rp[1] == ' ' ? rp[2] : 'X';
+}
+
+/* Revoke a removed region's slot and wait until no initiator is copying into it.  Called with
+ * e->mu held (released while waiting).  Returns FMC_ERR_BATCH_BUSY if a stopped initiator still
+ * holds it after the grace period. */
+int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r)
+{
+    if (!e->sh || r->sh_slot < 0)
+        return FMC_OK;
+    int slot = r->sh_slot;
+    atomic_store(&e->sh->slot_state[slot], (uint64_t)r->sh_gen << 1);
+    uint64_t mark = (uint64_t)slot + 1;
+    int64_t give_up = fmc_now_ms() + 2000;
+    for (int i = 0; i < FMC_SH_MAX_INITIATORS; i++) {
+        while (atomic_load(&e->sh->busy[i]) == mark) {
+            int pid = atomic_load(&e->sh->busy_pid[i]);
+            int state = pid > 0 ? process_state(pid) : 'X';
+            if (state == 'X' || state == 'Z') { /* the copier died: it will not copy again */
+                atomic_store(&e->sh->busy[i], 0);
+                break;
+            }
+            if ((state == 'T' || state == 't') && fmc_now_ms() > give_up) {
+                fmc_set_error("a stopped same-host peer (pid %d) may still write this region", pid);
+                e->sh_slot_used[slot] = 0;
+                return FMC_ERR_BATCH_BUSY;
+            }
+            pthread_mutex_unlock(&e->mu);
+            usleep(50);
+            pthread_mutex_lock(&e->mu);
+        }
+    }
+    e->sh_slot_used[slot] = 0;
+    return FMC_OK;
+}
+
+/* ------------------------------------------------------------------ initiator side */
+
+int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, ctrl_fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        fmc_set_error("cannot open the peer's control block %s: %s", path, strerror(errno));
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    fmc_sh_ctrl *c = mmap(NULL, ctrl_size(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (c == MAP_FAILED || c->magic != SH_MAGIC) {
+        if (c != MAP_FAILED)
+            munmap(c, ctrl_size());
+        fmc_set_error("the peer's control block is not a flagcx_mc one");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    /* Can we reach its memory at all?  (EPERM across users, in containers, under Yama.)  Opening
+     * /proc/<pid>/mem makes the same ptrace-attach check that process_vm_writev makes. */
+    snprintf(path, sizeof path, "/proc/%d/mem", pid);
+    int memfd = open(path, O_RDONLY | O_CLOEXEC);
+    if (memfd < 0) {
+        munmap(c, ctrl_size());
+        fmc_set_error("the kernel does not let us reach pid %d's memory (%s)", pid, strerror(errno));
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    close(memfd);
+    int me = (int)getpid(), idx = -1;
+    for (int i = 0; i < FMC_SH_MAX_INITIATORS && idx < 0; i++) {
+        int expected = 0;
+        if (atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
+            idx = i;
+        else if (expected != me && (process_state(expected) == 'X' || process_state(expected) == 'Z') &&
+                 atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
+            idx = i; /* a dead initiator's slot */
+    }
+    if (idx < 0) {
+        munmap(c, ctrl_size());
+        fmc_set_error("the peer has no free same-host initiator slot");
+        return FMC_ERR_TOO_MANY_REQUESTS;
+    }
+    atomic_store(&c->busy[idx], 0);
+    pthread_mutex_lock(&p->mu);
+    p->sh = c;
+    p->sh_pid = pid;
+    p->sh_index = idx;
+    pthread_mutex_unlock(&p->mu);
+    return FMC_OK;
+}
+
+void fmc_sh_peer_release(fmc_peer *p)
+{
+    if (p->sh) {
+        atomic_store(&p->sh->busy[p->sh_index], 0);
+        int me = (int)getpid();
+        atomic_compare_exchange_strong(&p->sh->busy_pid[p->sh_index], &me, 0);
+        munmap(p->sh, ctrl_size());
+        p->sh = NULL;
+    }
+}
+
+/* Copy every task, region by region.  Runs in the calling thread. */
+int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                    const uint64_t *lens, const int32_t *slots, const uint32_t *gens, int64_t deadline_ms)
+{
+    fmc_sh_ctrl *c = p->sh;
+    _Atomic uint64_t *busy = &c->busy[p->sh_index];
+    struct iovec liov[SH_IOV], riov[SH_IOV];
+    int i = 0;
+    while (i < n) {
+        if (lens[i] == 0) {
+            i++;
+            continue;
+        }
+        if (deadline_ms >= 0 && fmc_now_ms() > deadline_ms) {
+            fmc_set_error("same-host transfer to pid %d timed out", p->sh_pid);
+            return FMC_ERR_TIMEOUT;
+        }
+        /* Gather consecutive tasks of the same region into one syscall (up to SH_CHUNK bytes). */
+        int slot = slots[i];
+        uint64_t want = ((uint64_t)gens[i] << 1) | 1;
+        int k = 0;
+        size_t bytes = 0;
+        int j = i;
+        while (j < n && k < SH_IOV && (lens[j] == 0 || (slots[j] == slot && gens[j] == gens[i])) &&
+               (bytes < SH_CHUNK || k == 0)) {
+            if (lens[j]) {
+                liov[k] = (struct iovec){.iov_base = (void *)(uintptr_t)local[j], .iov_len = (size_t)lens[j]};
+                riov[k] = (struct iovec){.iov_base = (void *)(uintptr_t)remote[j], .iov_len = (size_t)lens[j]};
+                bytes += (size_t)lens[j];
+                k++;
+            }
+            j++;
+        }
+        atomic_store(busy, (uint64_t)slot + 1);
+        if (atomic_load(&c->slot_state[slot]) != want) {
+            atomic_store(busy, 0);
+            fmc_set_error("the peer unregistered the region holding 0x%llx", (unsigned long long)remote[i]);
+            return FMC_ERR_ADDRESS_NOT_REGISTERED;
+        }
+        ssize_t done = opcode == FMC_OP_WRITE
+                           ? process_vm_writev(p->sh_pid, liov, (unsigned long)k, riov, (unsigned long)k, 0)
+                           : process_vm_readv(p->sh_pid, liov, (unsigned long)k, riov, (unsigned long)k, 0);
+        int err = errno;
+        atomic_store(busy, 0);
+        if (done < 0 || (size_t)done != bytes) {
+            fmc_set_error("same-host copy with pid %d failed: %s", p->sh_pid,
+                          done < 0 ? strerror(err) : "short copy");
+            return FMC_ERR_SOCKET; /* the peer is gone or its memory moved: re-open the session */
+        }
+        i = j;
+    }
+    return FMC_OK;
+}

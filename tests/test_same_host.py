@@ -1,0 +1,141 @@
+"""The same-host path: process_vm_writev/readv into a peer on this kernel, with the target's
+registry still in charge, and a clean fallback to TCP where the kernel says no."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
+from flagcx_mc.node import NodeProcess
+
+SIZES = [1, 4096, (1 << 20) + 7, 64 << 20]
+
+
+@pytest.fixture
+async def sh_engine(local_buf):
+    async with AsyncTransferEngine(transfer_timeout=5.0, transport="same-host") as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, local_buf.size)
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def sh_node():
+    proc = NodeProcess(regions=[65 << 20, 1 << 20])
+    yield proc
+    proc.close()
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_same_host_write_and_read(sh_engine, sh_node, local_buf, size):
+    digest = local_buf.fill_random(0, size)
+    await sh_engine.transfer_sync_write(sh_node.session, local_buf.addr, sh_node.addr(0, 3), size)
+    assert sh_node.call("digest", region=0, offset=3, length=size)["digest"] == digest
+    assert sh_engine._sessions.peek(sh_node.session).peer.same_host
+    remote = sh_node.call("fill", region=0, offset=0, length=size)["digest"]
+    await sh_engine.transfer_sync_read(sh_node.session, local_buf.addr, sh_node.addr(0), size)
+    assert local_buf.digest(0, size) == remote
+    assert sh_node.call("guards")["intact"]
+
+
+async def test_same_host_batches_and_refusals(sh_engine, sh_node, local_buf):
+    block, count = 4096, 1024
+    local_buf.fill_random(0, block * count)
+    slots = list(range(count))[::-1]
+    await sh_engine.batch_transfer_sync_write(sh_node.session, [local_buf.addr + i * block for i in range(count)],
+                                              [sh_node.addr(0, s * block) for s in slots], [block] * count)
+    expected = b"".join(local_buf.read((count - 1 - j) * block, block) for j in range(count))
+    import hashlib
+
+    assert sh_node.call("digest", region=0, offset=0, length=block * count)["digest"] == hashlib.sha256(expected).hexdigest()
+    with pytest.raises(errors.AddressNotRegisteredError):
+        await sh_engine.transfer_sync_write(sh_node.session, local_buf.addr, sh_node.addr(1) - 8, 64)
+    assert sh_node.call("guards")["intact"]
+
+
+async def test_a_frozen_target_still_receives_same_host_writes(sh_engine, local_buf):
+    target = await asyncio.to_thread(NodeProcess, regions=[1 << 20])
+    try:
+        await sh_engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), 8)
+        os.kill(target.pid, signal.SIGSTOP)
+        digest = local_buf.fill_random(0, 1 << 20)
+        await sh_engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), 1 << 20)
+        os.kill(target.pid, signal.SIGCONT)
+        assert (await asyncio.to_thread(target.call, "digest", region=0))["digest"] == digest
+    finally:
+        os.kill(target.pid, signal.SIGCONT)
+        await asyncio.to_thread(target.close)
+
+
+async def test_unregister_fences_same_host_writers(sh_engine, local_buf):
+    target = await asyncio.to_thread(NodeProcess, regions=[16 << 20])
+    try:
+        local_buf.fill(0x77, 0, 16 << 20)
+        results = []
+        stop = asyncio.Event()
+
+        async def writer():
+            while not stop.is_set():
+                try:
+                    await sh_engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), 16 << 20)
+                    results.append(0)
+                except errors.FlagcxMcError as exc:
+                    results.append(exc.code)
+                    await asyncio.sleep(0.005)
+
+        task = asyncio.ensure_future(writer())
+        while not results:
+            await asyncio.sleep(0.005)
+        assert (await asyncio.to_thread(target.call, "unregister", region=0))["rc"] == 0
+        await asyncio.to_thread(target.call, "set", region=0, byte=0)
+        before = len(results)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await task
+        assert (await asyncio.to_thread(target.call, "count_byte", region=0, byte=0x77))["count"] == 0
+        assert results[0] == 0 and len(results) > before and all(r != 0 for r in results[before:])
+    finally:
+        await asyncio.to_thread(target.close)
+
+
+def test_fallback_to_tcp_when_the_kernel_refuses():
+    """A target the kernel does not let us reach (non-dumpable, and we lack CAP_SYS_PTRACE): the
+    initiator must fall back to TCP, say why, and still deliver every byte."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop CAP_SYS_PTRACE from a child")
+    target = NodeProcess(regions=[1 << 20], env={"FLAGCX_MC_NODE_NONDUMPABLE": "1"})
+    try:
+        initiator = NodeProcess(regions=[1 << 20], env={"FLAGCX_MC_TRANSPORT": "auto"},
+                                argv_prefix=["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace"])
+        try:
+            digest = initiator.call("fill", region=0)["digest"]
+            reply = initiator.call("transfer", op="write", target=target.session, items=[[0, 0, target.addr(0), 1 << 20]])
+            assert reply["rc"] == 0
+            assert target.call("digest", region=0)["digest"] == digest
+        finally:
+            initiator.close()
+        # Demanding the same-host path there is a clear error instead.
+        strict = NodeProcess(regions=[4096], env={"FLAGCX_MC_TRANSPORT": "same-host"},
+                             argv_prefix=["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace"])
+        try:
+            reply = strict.call("transfer", op="write", target=target.session, items=[[0, 0, target.addr(0), 4096]])
+            assert reply["rc"] == -303
+        finally:
+            strict.close()
+    finally:
+        target.close()
+
+
+async def test_transport_tcp_keeps_the_network_path(node, local_buf):
+    async with AsyncTransferEngine(transport="tcp") as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, 1 << 20)
+        digest = local_buf.fill_random(0, 1 << 20)
+        await eng.transfer_sync_write(node.session, local_buf.addr, node.addr(1), 1 << 20)
+        assert node.call("digest", region=1)["digest"] == digest
+        assert not eng._sessions.peek(node.session).peer.same_host
