@@ -28,7 +28,7 @@ ffibuilder.set_source(
     include_dirs=["_cffi_build/src", "_cffi_build"],
     define_macros=[("FMC_VERSION", f'"{_package_version()}"')],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread", "-std=gnu11"],
-    extra_link_args=["-pthread"],
+    extra_link_args=["-pthread", "-ldl"],
 )
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ enum {
     FMC_ERR_TOO_MANY_REQUESTS = -2,
     FMC_ERR_ADDRESS_NOT_REGISTERED = -3,
     FMC_ERR_BATCH_BUSY = -4,
+    FMC_ERR_DEVICE_NOT_FOUND = -6,
     FMC_ERR_ADDRESS_OVERLAPPED = -7,
     FMC_ERR_DNS = -101,
     FMC_ERR_SOCKET = -102,
@@ -39,6 +40,7 @@ typedef struct {
 const char *fmc_version(void);
 const char *fmc_last_error(void);
 int fmc_data_header_size(void);
+int fmc_cuda_usable(void);
 
 int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out);
 int fmc_engine_data_port(fmc_engine *engine);
@@ -54,6 +56,7 @@ int fmc_unregister(fmc_engine *engine, uint64_t addr);
 int fmc_region_table(fmc_engine *engine, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap);
 int fmc_region_slots(fmc_engine *engine, int32_t *slots, uint32_t *gens, int cap);
 int fmc_engine_same_host_fd(fmc_engine *engine);
+uint64_t fmc_engine_same_host_addr(fmc_engine *engine);
 
 int fmc_peer_create(fmc_engine *engine, const char *host, int data_port, int nstreams,
                     uint64_t slice_size, fmc_peer **out);
@@ -64,7 +67,7 @@ int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *
 int fmc_peer_set_protocol(fmc_peer *peer, int proto);
 int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32_t *slots,
                               const uint32_t *gens, int n);
-int fmc_peer_enable_same_host(fmc_peer *peer, int pid, int ctrl_fd);
+int fmc_peer_enable_same_host(fmc_peer *peer, int pid, int ctrl_fd, uint64_t ctrl_addr);
 int fmc_peer_is_same_host(fmc_peer *peer);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);

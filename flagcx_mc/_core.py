@@ -128,6 +128,11 @@ class CoreEngine:
         """fd of the control block same-host peers map (-1 if this engine has none)."""
         return int(lib.fmc_engine_same_host_fd(self._ptr))
 
+    @property
+    def same_host_addr(self) -> int:
+        """Address of that control block in this process (peers probe it with process_vm_readv)."""
+        return int(lib.fmc_engine_same_host_addr(self._ptr))
+
     def stats(self) -> dict:
         s = ffi.new("fmc_stats *")
         lib.fmc_engine_get_stats(self._ptr, s)
@@ -199,9 +204,9 @@ class CorePeer:
         gens = ffi.new("uint32_t[]", [r[2] for r in regions] or [0])
         _raise_for(lib.fmc_peer_set_region_slots(self._ptr, addrs, slots, gens, n))
 
-    def enable_same_host(self, pid: int, ctrl_fd: int) -> None:
+    def enable_same_host(self, pid: int, ctrl_fd: int, ctrl_addr: int) -> None:
         """Copy with process_vm_writev/readv into process ``pid``; raises if the kernel refuses."""
-        _raise_for(lib.fmc_peer_enable_same_host(self._ptr, pid, ctrl_fd))
+        _raise_for(lib.fmc_peer_enable_same_host(self._ptr, pid, ctrl_fd, ctrl_addr))
 
     @property
     def same_host(self) -> bool:

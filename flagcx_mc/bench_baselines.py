@@ -14,6 +14,7 @@ ratios of measured rows against these limits and against Mooncake, and the issue
 """
 
 from __future__ import annotations
+from .buffers import DeviceBuffer
 
 from typing import Dict, List, Optional, Tuple
 
@@ -104,41 +105,7 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
     raise ValueError(f"no C baseline called {name!r}")
 
 
-class CudaBuffer:
-    """Device memory with the small surface the benchmark needs: fill, clear, checksum."""
-
-    def __init__(self, size: int, device: int = 0) -> None:
-        from .buffers import HostBuffer
-
-        ptr = ffi.new("uint64_t *")
-        _out(lib.fmc_baseline_cuda_alloc(device, size, ptr), [0], "cudaMalloc")
-        self.addr = int(ptr[0])
-        self.size = size
-        self.device = device
-        self._staging: Optional[HostBuffer] = HostBuffer(size)
-
-    def _copy(self, dst: int, src: int, length: int) -> None:
-        if length:
-            _out(lib.fmc_baseline_cuda_copy(self.device, dst, src, length), [0], "cuMemcpy")
-
-    def fill_random(self, offset: int, length: int) -> str:
-        digest = self._staging.fill_random(offset, length)
-        self._copy(self.addr + offset, self._staging.addr + offset, length)
-        return digest
-
-    def fill(self, byte: int, offset: int, length: int) -> None:
-        self._staging.fill(byte, offset, length)
-        self._copy(self.addr + offset, self._staging.addr + offset, length)
-
-    def digest(self, offset: int, length: int) -> str:
-        self._copy(self._staging.addr + offset, self.addr + offset, length)
-        return self._staging.digest(offset, length)
-
-    def close(self) -> None:
-        if self._staging is not None:
-            lib.fmc_baseline_cuda_free(self.device, self.addr)
-            self._staging.close()
-            self._staging = None
+CudaBuffer = DeviceBuffer  # the bench's name for it
 
 
 def fmt_size(n: int) -> str:

@@ -11,7 +11,7 @@ import hashlib
 import mmap
 import os
 
-__all__ = ["HostBuffer"]
+__all__ = ["HostBuffer", "DeviceBuffer"]
 
 
 class HostBuffer:
@@ -77,3 +77,49 @@ class HostBuffer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class DeviceBuffer:
+    """GPU memory (cuMemAlloc through the core's dlopen'ed libcuda) with a host mirror, so tests
+    and the benchmark can fill, clear and checksum it without torch or cupy."""
+
+    def __init__(self, size: int, device: int = 0) -> None:
+        from ._core import _raise_for, ffi, lib
+
+        self._lib, self._raise = lib, _raise_for
+        ptr = ffi.new("uint64_t *")
+        _raise_for(lib.fmc_baseline_cuda_alloc(device, size, ptr), "cannot allocate GPU memory")
+        self.addr = int(ptr[0])
+        self.size = size
+        self.device = device
+        self._staging: "HostBuffer | None" = HostBuffer(size)
+
+    def _copy(self, dst: int, src: int, length: int) -> None:
+        if length:
+            self._raise(self._lib.fmc_baseline_cuda_copy(self.device, dst, src, length), "cuMemcpy failed")
+
+    def fill_random(self, offset: int = 0, length: int | None = None) -> str:
+        length = self.size - offset if length is None else length
+        digest = self._staging.fill_random(offset, length)
+        self._copy(self.addr + offset, self._staging.addr + offset, length)
+        return digest
+
+    def fill(self, byte: int, offset: int = 0, length: int | None = None) -> None:
+        length = self.size - offset if length is None else length
+        self._staging.fill(byte, offset, length)
+        self._copy(self.addr + offset, self._staging.addr + offset, length)
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._copy(self._staging.addr + offset, self.addr + offset, length)
+        return self._staging.read(offset, length)
+
+    def digest(self, offset: int = 0, length: int | None = None) -> str:
+        length = self.size - offset if length is None else length
+        self._copy(self._staging.addr + offset, self.addr + offset, length)
+        return self._staging.digest(offset, length)
+
+    def close(self) -> None:
+        if self._staging is not None:
+            self._lib.fmc_baseline_cuda_free(self.device, self.addr)
+            self._staging.close()
+            self._staging = None

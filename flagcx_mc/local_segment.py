@@ -53,6 +53,7 @@ class LocalSegment:
                 boot_id=self._boot_id,
                 pid=os.getpid(),
                 shm_fd=self._core.same_host_fd,
+                shm_addr=self._core.same_host_addr,
             ),
         )
 

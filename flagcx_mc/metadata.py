@@ -67,6 +67,7 @@ class NativeInfo:
     boot_id: str
     pid: int
     shm_fd: int = -1  # fd number of the same-host control block in process `pid` (-1: none)
+    shm_addr: int = 0  # its address there (peers probe it with process_vm_readv)
 
     def to_json_dict(self) -> dict[str, Any]:
         """JSON form stored under the ``"flagcx_mc"`` key."""
@@ -78,7 +79,7 @@ class NativeInfo:
             "pid": self.pid,
         }
         if self.shm_fd >= 0:
-            out["shm_fd"] = self.shm_fd
+            out["shm_fd"], out["shm_addr"] = self.shm_fd, self.shm_addr
         return out
 
     @classmethod
@@ -109,6 +110,7 @@ class NativeInfo:
             boot_id=_req_str(obj, "boot_id", NATIVE_KEY),
             pid=_req_uint(obj, "pid", NATIVE_KEY),
             shm_fd=_req_uint(obj, "shm_fd", NATIVE_KEY, bound=1 << 31) if "shm_fd" in obj else -1,
+            shm_addr=_req_uint(obj, "shm_addr", NATIVE_KEY) if "shm_fd" in obj else 0,
         )
 
 

@@ -1,7 +1,7 @@
 """Module-level names of ``mooncake.engine`` that callers import besides the engine class.
 
 ``SUPPORT_*`` report honestly what this build can do: flagcx_mc has no EFA, HIP, MUSA or
-multi-node NVLink transport, and no CUDA data path yet.
+multi-node NVLink transport; GPU memory (staged through host memory) works where libcuda loads.
 """
 
 from __future__ import annotations
@@ -57,4 +57,15 @@ SUPPORT_HIP = False
 SUPPORT_MNNVL = False
 SUPPORT_MUSA = False
 SUPPORT_INTRA_NVLINK = False
-SUPPORT_CUDA = False
+def _libcuda_present() -> bool:
+    """GPU memory works wherever the driver library loads (the core dlopens it on first use)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+SUPPORT_CUDA = _libcuda_present()

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from .buffers import HostBuffer
+from .buffers import DeviceBuffer, HostBuffer
 
 __all__ = ["NodeProcess", "GUARD_BYTES", "GUARD_VALUE"]
 
@@ -26,8 +26,8 @@ GUARD_VALUE = 0xA5
 
 
 class _Region:
-    def __init__(self, size: int) -> None:
-        self.buf = HostBuffer(size + 2 * GUARD_BYTES)
+    def __init__(self, size: int, device: Optional[int] = None) -> None:
+        self.buf = HostBuffer(size + 2 * GUARD_BYTES) if device is None else DeviceBuffer(size + 2 * GUARD_BYTES, device)
         self.buf.fill(GUARD_VALUE, 0, GUARD_BYTES)
         self.buf.fill(GUARD_VALUE, GUARD_BYTES + size, GUARD_BYTES)
         self.addr = self.buf.addr + GUARD_BYTES
@@ -67,14 +67,19 @@ class _Node:
         session = f"{host}:{self.engine.get_rpc_port()}" if metadata_server == "P2PHANDSHAKE" else host
         return {"session": session, "pid": os.getpid(), "regions": [[r.addr, r.size] for r in self.regions]}
 
-    def add_region(self, size: int, register: bool = True) -> dict:
-        region = _Region(size)
+    def add_region(self, size: int, register: bool = True, device: Optional[int] = None) -> dict:
+        """A region of host memory, or of GPU memory on ``device``, between guard bytes."""
+        region = _Region(size, device)
         if register:
             rc = self.engine.register_memory(region.addr, size)
             if rc != 0:
                 raise RuntimeError(f"register_memory returned {rc}")
         self.regions.append(region)
         return {"index": len(self.regions) - 1, "addr": region.addr, "size": size}
+
+    def region_info(self, region: int) -> dict:
+        r = self.regions[region]
+        return {"addr": r.addr, "size": r.size}
 
     def unregister(self, region: int) -> dict:
         return {"rc": self.engine.unregister_memory(self.regions[region].addr)}
@@ -98,7 +103,7 @@ class _Node:
     def count_byte(self, region: int, byte: int) -> dict:
         """How many bytes of the region equal ``byte`` (to spot late writes of a known pattern)."""
         r = self.regions[region]
-        return {"count": r.buf.view[GUARD_BYTES:GUARD_BYTES + r.size].tobytes().count(bytes([byte]))}
+        return {"count": r.buf.read(GUARD_BYTES, r.size).count(bytes([byte]))}
 
     def guards(self) -> dict:
         return {"intact": all(r.guards_intact() for r in self.regions)}
@@ -123,7 +128,7 @@ class _Node:
         return {}
 
 
-_COMMANDS = frozenset({"init", "add_region", "unregister", "fill", "set", "digest", "count_byte", "guards", "transfer",
+_COMMANDS = frozenset({"init", "add_region", "region_info", "unregister", "fill", "set", "digest", "count_byte", "guards", "transfer",
                        "stats", "exit"})
 
 

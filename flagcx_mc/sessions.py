@@ -153,7 +153,7 @@ class SessionCache:
             reason = "the peer runs on another host"
         else:
             try:
-                peer.enable_same_host(native.pid, native.shm_fd)
+                peer.enable_same_host(native.pid, native.shm_fd, native.shm_addr)
                 return
             except errors.FlagcxMcError as exc:
                 reason = str(exc)

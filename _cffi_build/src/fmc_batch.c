@@ -156,33 +156,47 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         return rc;
     }
     uint64_t nslices = 0;
+    int32_t *ldev = malloc(sizeof *ldev * (size_t)(n ? n : 1)); /* GPU of each local range, or -1 */
+    if (!ldev) {
+        free(keys);
+        return FMC_ERR_MEMORY;
+    }
+    int any_gpu = 0;
     for (int i = 0; i < n; i++) {
+        ldev[i] = -1;
         if (lens[i] == 0)
             continue;
-        if (!fmc_local_range_ok(p->engine, local[i], lens[i], opcode == FMC_OP_READ)) {
+        int dev = -1;
+        if (!fmc_local_range_ok(p->engine, local[i], lens[i], opcode == FMC_OP_READ, &dev)) {
             fmc_set_error("local range [0x%llx, +%llu) (entry %d) is not inside one registered%s region",
                           (unsigned long long)local[i], (unsigned long long)lens[i], i,
                           opcode == FMC_OP_READ ? " writable" : "");
             free(keys);
+            free(ldev);
             return FMC_ERR_ADDRESS_NOT_REGISTERED;
         }
+        ldev[i] = dev;
+        any_gpu |= dev >= 0;
         nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
     }
-    if (p->sh) {
+    if (p->sh && !any_gpu) { /* process_vm_writev cannot reach GPU memory: those go over TCP */
         rc = same_host(p, opcode, n, local, remote, lens, out, inline_deadline_ms);
         if (rc != 1) {
             free(keys);
+            free(ldev);
             return rc;
         }
     }
     if (nslices > (1u << 30)) {
         free(keys);
+        free(ldev);
         fmc_set_error("batch too large (%llu slices)", (unsigned long long)nslices);
         return FMC_ERR_TOO_MANY_REQUESTS;
     }
     fmc_batch *b = batch_alloc(p, opcode, n, (int)nslices);
     if (!b) {
         free(keys);
+        free(ldev);
         return FMC_ERR_MEMORY;
     }
     /* Cut tasks into slices and hand runs of about slice_size bytes to successive streams, so
@@ -202,6 +216,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             s->remote = remote[i] + off;
             s->len = lens[i] - off < p->slice_size ? lens[i] - off : p->slice_size;
             s->key = keys[i];
+            s->local_dev = ldev[i];
             s->id = atomic_fetch_add(&p->next_id, 1);
             b->task_remaining[i]++;
             b->bytes += s->len;
@@ -220,6 +235,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         }
     }
     free(keys);
+    free(ldev);
     b->outstanding = (int)nslices;
     b->finished = nslices == 0;
     *out = b;

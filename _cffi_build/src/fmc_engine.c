@@ -180,18 +180,28 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         return FMC_ERR_INVALID_ARGUMENT;
     }
     int rc = fmc_check_mapped(addr, len);
-    if (rc != FMC_OK)
-        return rc;
+    int writable = rc == FMC_OK && fmc_range_writable(addr, len); /* read-only regions serve reads only */
+    int dev = -1;
+    if (rc != FMC_OK || !writable) {
+        /* Not plain host memory: it may be GPU memory (unified addressing). */
+        int is_dev = fmc_cuda_device_of(addr, len, &dev);
+        if (is_dev < 0)
+            return FMC_ERR_INVALID_ARGUMENT;
+        if (is_dev == 1)
+            writable = 1;
+        else if (rc != FMC_OK)
+            return rc;
+    }
     uint32_t key = random_key();
-    int writable = fmc_range_writable(addr, len); /* read-only regions serve reads only */
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     if (rc == FMC_OK) {
         fmc_region *r = fmc_registry_find(&e->reg, addr, len);
-        if (writable)
+        r->cuda_dev = dev;
+        if (writable && dev < 0)
             fmc_sh_slot_assign(e, r);
         else
-            r->sh_slot = -1; /* same-host peers would write it with no check: keep them on TCP */
+            r->sh_slot = -1; /* read-only or GPU memory: same-host peers use TCP for it */
     }
     pthread_mutex_unlock(&e->mu);
     if (rc == FMC_OK && key_out)
@@ -261,11 +271,12 @@ int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *k
     return n;
 }
 
-int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write)
+int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write, int *cuda_dev)
 {
     pthread_mutex_lock(&e->mu);
     fmc_region *r = fmc_registry_find(&e->reg, addr, len);
     int ok = r != NULL && (!need_write || r->writable); /* a read lands with memcpy: needs write */
+    *cuda_dev = r ? r->cuda_dev : -1;
     pthread_mutex_unlock(&e->mu);
     return ok;
 }

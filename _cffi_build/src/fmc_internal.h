@@ -64,6 +64,23 @@ int fmc_equal_ct(const uint8_t *a, const uint8_t *b, size_t n);
 int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce);
 int fmc_auth_client(int fd, const fmc_secret *s);
 
+/* ---------------------------------------------------------------- GPU memory (fmc_cuda.c) */
+int fmc_cuda_available(void);
+/* 1 and *device if [addr, addr+len) is GPU memory; 0 if not; -1 if it overruns its allocation. */
+int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device);
+int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device);
+void *fmc_staging_alloc(size_t len, int *pinned);
+void fmc_staging_free(void *p, int pinned);
+
+/* A growable host buffer through which GPU bytes cross the network. */
+typedef struct {
+    uint8_t *buf;
+    size_t cap;
+    int pinned;
+} fmc_staging;
+int fmc_staging_reserve(fmc_staging *s, size_t len);
+void fmc_staging_release(fmc_staging *s);
+
 /* ---------------------------------------------------------------- same host (fmc_samehost.c) */
 #define FMC_SH_MAX_SLOTS 4096
 #define FMC_SH_MAX_INITIATORS 256
@@ -81,6 +98,7 @@ typedef struct fmc_region {
     int refs;     /* remote operations currently touching the region */
     int removed;  /* unregistered: no new pins */
     int writable; /* mapped writable when registered; remote writes to others are refused */
+    int cuda_dev;     /* GPU ordinal of device memory, -1 for host memory */
     int sh_slot;      /* same-host control slot, -1 if none */
     uint32_t sh_gen;  /* generation of that slot */
 } fmc_region;
@@ -135,7 +153,8 @@ struct fmc_engine {
 
 void fmc_engine_log(fmc_engine *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void *fmc_server_accept_main(void *arg);
-int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write);
+/* 1 if the range lies in one registered region (writable if asked); *cuda_dev gets its GPU. */
+int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write, int *cuda_dev);
 
 /* ---------------------------------------------------------------- batches and peers */
 typedef struct fmc_slice {
@@ -144,6 +163,7 @@ typedef struct fmc_slice {
     uint64_t local, remote, len, id;
     uint32_t key;
     int task;
+    int local_dev;    /* GPU ordinal when the local side is device memory, else -1 */
     /* Guarded by the owning stream's mu.  `sending`: a write slice inside the sender's current
      * sendmsg (its memory may still be read).  An answer that arrives meanwhile is parked on the
      * stream's `answered` list with its status, and the sender finishes the slice once sendmsg
@@ -183,6 +203,8 @@ typedef struct fmc_stream {
     fmc_slice *receiving;     /* answer being read into local memory */
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
+    fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
+    fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread */
     int dead;
     int threads_alive;
     int started;

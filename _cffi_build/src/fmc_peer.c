@@ -128,6 +128,35 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
     return FMC_REQ_SIZE;
 }
 
+/* GPU sources cannot go to sendmsg: copy them into the stream's host staging buffer and point
+ * their iovecs there.  The round owns the staging buffer (sending_active). */
+static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
+{
+    size_t need = 0;
+    for (int i = 0; i < nw; i++)
+        if (sc->writes[i]->local_dev >= 0)
+            need += sc->writes[i]->len;
+    if (!need)
+        return 0;
+    if (fmc_staging_reserve(&st->send_stage, need) != 0)
+        return -1;
+    size_t off = 0;
+    for (int i = 0, v = 0; v < niov && i < nw; v++) {
+        fmc_slice *s = sc->writes[i];
+        if (sc->iov[v].iov_base != (void *)(uintptr_t)s->local || sc->iov[v].iov_len != s->len)
+            continue; /* a header */
+        if (s->local_dev >= 0) {
+            uint8_t *dst = st->send_stage.buf + off;
+            if (fmc_cuda_copy((uint64_t)(uintptr_t)dst, s->local, (size_t)s->len, s->local_dev) != FMC_OK)
+                return -1;
+            sc->iov[v].iov_base = dst;
+            off += s->len;
+        }
+        i++;
+    }
+    return 0;
+}
+
 /* One send round: gather queued slices into one sendmsg and send it.  Called with st->mu held,
  * pending non-empty and no other round in progress; returns with st->mu held.  The slices move
  * to `inflight` before the first byte leaves, because their answers may come back before
@@ -156,7 +185,9 @@ static int send_round(fmc_stream *st, send_scratch *sc, int64_t deadline_ms)
     }
     int fd = st->fd;
     pthread_mutex_unlock(&st->mu);
-    int rc = deadline_ms < 0 ? fmc_sendv_all(fd, sc->iov, niov) : fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
+    int rc = stage_gpu_sources(st, sc, niov, nw);
+    if (rc == 0)
+        rc = deadline_ms < 0 ? fmc_sendv_all(fd, sc->iov, niov) : fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
     pthread_mutex_lock(&st->mu);
     /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
      * set, so the pointers are still valid; the ones already answered are ours to finish. */
@@ -231,6 +262,18 @@ static int remote_status(int32_t status)
     return FMC_ERR_SOCKET;
 }
 
+/* A read's payload: straight into host memory, or through staging into GPU memory. */
+static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s)
+{
+    if (s->local_dev < 0)
+        return fmc_reader_read_into(rd, (void *)(uintptr_t)s->local, (size_t)s->len);
+    if (fmc_staging_reserve(&st->recv_stage, (size_t)s->len) != 0 ||
+        fmc_reader_read_into(rd, st->recv_stage.buf, (size_t)s->len) < 0)
+        return -1;
+    return fmc_cuda_copy(s->local, (uint64_t)(uintptr_t)st->recv_stage.buf, (size_t)s->len, s->local_dev) == FMC_OK
+               ? 0 : -1;
+}
+
 /* The next answer header in the peer's framing; -1 on EOF or an impossible status. */
 static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
 {
@@ -287,7 +330,7 @@ void *fmc_stream_recv_main(void *arg)
         if (a.len) {
             st->receiving = s;
             pthread_mutex_unlock(&st->mu);
-            if (fmc_reader_read_into(&rd, (void *)(uintptr_t)s->local, (size_t)s->len) < 0)
+            if (receive_payload(st, &rd, s) < 0)
                 break; /* `receiving` stays set: the exit path fails it */
             pthread_mutex_lock(&st->mu);
             st->receiving = NULL;
@@ -672,6 +715,8 @@ void fmc_peer_release(fmc_peer *p)
         return;
     fmc_peer_close(p);
     for (int i = 0; i < p->nstreams; i++) {
+        fmc_staging_release(&p->streams[i].send_stage);
+        fmc_staging_release(&p->streams[i].recv_stage);
         pthread_mutex_destroy(&p->streams[i].mu);
         pthread_cond_destroy(&p->streams[i].cv);
     }

@@ -68,6 +68,8 @@ void fmc_sh_engine_free(fmc_engine *e)
 
 int fmc_engine_same_host_fd(fmc_engine *e) { return e->sh ? e->sh_fd : -1; }
 
+uint64_t fmc_engine_same_host_addr(fmc_engine *e) { return (uint64_t)(uintptr_t)e->sh; }
+
 /* Give a new region a slot; caller holds e->mu.  No slot (all in use): the region is simply not
  * reachable by the same-host path (peers fall back to TCP for it). */
 void fmc_sh_slot_assign(fmc_engine *e, fmc_region *r)
@@ -137,7 +139,7 @@ int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r)
 
 /* ------------------------------------------------------------------ initiator side */
 
-int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd)
+int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd, uint64_t ctrl_addr)
 {
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, ctrl_fd);
@@ -154,16 +156,18 @@ int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd)
         fmc_set_error("the peer's control block is not a flagcx_mc one");
         return FMC_ERR_NOT_IMPLEMENTED;
     }
-    /* Can we reach its memory at all?  (EPERM across users, in containers, under Yama.)  Opening
-     * /proc/<pid>/mem makes the same ptrace-attach check that process_vm_writev makes. */
-    snprintf(path, sizeof path, "/proc/%d/mem", pid);
-    int memfd = open(path, O_RDONLY | O_CLOEXEC);
-    if (memfd < 0) {
+    /* Can we reach its memory at all?  (EPERM across users, in containers, under Yama; ENOSYS in
+     * sandboxes such as gVisor.)  Read the control block's magic through the syscall itself. */
+    uint64_t magic = 0;
+    struct iovec l = {.iov_base = &magic, .iov_len = sizeof magic};
+    struct iovec r = {.iov_base = (void *)(uintptr_t)ctrl_addr, .iov_len = sizeof magic};
+    if (process_vm_readv(pid, &l, 1, &r, 1, 0) != (ssize_t)sizeof magic || magic != SH_MAGIC) {
+        int err = errno;
         munmap(c, ctrl_size());
-        fmc_set_error("the kernel does not let us reach pid %d's memory (%s)", pid, strerror(errno));
+        fmc_set_error("process_vm_readv from pid %d does not work here (%s)", pid,
+                      magic != SH_MAGIC && err == 0 ? "wrong data" : strerror(err));
         return FMC_ERR_NOT_IMPLEMENTED;
     }
-    close(memfd);
     int me = (int)getpid(), idx = -1;
     for (int i = 0; i < FMC_SH_MAX_INITIATORS && idx < 0; i++) {
         int expected = 0;

@@ -28,6 +28,7 @@ typedef struct {
     size_t out_bytes;
     fmc_region *read_pins[FMC_IOV_MAX];
     int nread_pins;
+    fmc_staging stage; /* GPU regions: payloads pass through here */
 } conn_state;
 
 /* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing), or
@@ -38,7 +39,8 @@ static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, const uint32
     fmc_engine *e = cs->e;
     pthread_mutex_lock(&e->mu);
     fmc_region *r = fmc_registry_find(&e->reg, addr, len);
-    if (r && ((key && r->key != *key) || r->removed || cs->c->npins >= FMC_MAX_PINS || (for_write && !r->writable)))
+    if (r && ((key && r->key != *key) || r->removed || cs->c->npins >= FMC_MAX_PINS || (for_write && !r->writable) ||
+              (!key && r->cuda_dev >= 0))) /* Mooncake's framing: host memory only */
         r = NULL;
     if (r) {
         r->refs++;
@@ -65,6 +67,15 @@ static void unpin(conn_state *cs, fmc_region *r)
     pthread_mutex_lock(&cs->e->mu);
     unpin_locked(cs->e, cs->c, r);
     pthread_mutex_unlock(&cs->e->mu);
+}
+
+/* A write into GPU memory: receive into host staging, then copy it onto the device before the
+ * answer goes out (the answer promises the bytes are in place). */
+static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t addr, uint64_t len)
+{
+    if (fmc_staging_reserve(&cs->stage, (size_t)len) != 0 || fmc_reader_read_into(&cs->rd, cs->stage.buf, (size_t)len) < 0)
+        return -1;
+    return fmc_cuda_copy(addr, (uint64_t)(uintptr_t)cs->stage.buf, (size_t)len, r->cuda_dev) == FMC_OK ? 0 : -1;
 }
 
 static int flush(conn_state *cs)
@@ -315,7 +326,8 @@ static void serve(conn_state *cs)
         if (q.opcode == FMC_WIRE_OP_WRITE) {
             int rc;
             if (r) {
-                rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
+                rc = r->cuda_dev < 0 ? fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len)
+                                     : receive_into_gpu(cs, r, q.addr, q.len);
                 unpin(cs, r);
                 if (rc == 0)
                     e->stat_served_in += q.len;
@@ -326,6 +338,18 @@ static void serve(conn_state *cs)
             if (rc < 0)
                 break;
             queue_answer(cs, q.id, r ? FMC_OK : FMC_ERR_REMOTE_REFUSED, NULL, 0);
+        } else if (r && r->cuda_dev >= 0) {
+            /* A GPU source: stage it, answer now (the staging buffer serves one answer). */
+            if (flush(cs) < 0 || fmc_staging_reserve(&cs->stage, (size_t)q.len) != 0 ||
+                fmc_cuda_copy((uint64_t)(uintptr_t)cs->stage.buf, q.addr, (size_t)q.len, r->cuda_dev) != FMC_OK) {
+                unpin(cs, r);
+                break;
+            }
+            unpin(cs, r);
+            queue_answer(cs, q.id, FMC_OK, cs->stage.buf, q.len);
+            e->stat_served_out += q.len;
+            if (flush(cs) < 0)
+                break;
         } else if (r) {
             cs->read_pins[cs->nread_pins++] = r;
             queue_answer(cs, q.id, FMC_OK, (void *)(uintptr_t)q.addr, q.len);
@@ -364,6 +388,7 @@ static void *conn_main(void *arg)
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     fmc_reader_free(&cs->rd);
+    fmc_staging_release(&cs->stage);
     free(c);
     free(cs);
     return NULL;

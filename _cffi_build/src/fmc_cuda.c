@@ -1,0 +1,166 @@
+/* GPU memory without a build-time CUDA dependency: libcuda is loaded with dlopen on first use.
+ * A machine without it builds and runs every host path; device pointers are then simply not
+ * recognised (registering one fails as unmapped memory, never crashes).
+ *
+ * The data plane never hands device pointers to the kernel: TCP stages GPU bytes through host
+ * buffers (cuMemcpy with unified addressing picks the direction), and the same-host path leaves
+ * GPU memory to TCP for now. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fmc_internal.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_MEMORYTYPE_DEVICE 2
+#define FMC_CUDA_MAX_DEVICES 64
+
+static struct {
+    int state; /* 0 untried, 1 usable, -1 unusable */
+    void *lib;
+    CUresult (*init)(unsigned int);
+    CUresult (*pointer_get_attribute)(void *, int, CUdeviceptr);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*primary_ctx_retain)(CUcontext *, CUdevice);
+    CUresult (*ctx_set_current)(CUcontext);
+    CUresult (*memcpy_)(CUdeviceptr, CUdeviceptr, size_t);
+    CUresult (*mem_get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+    CUresult (*mem_alloc_host)(void **, size_t);
+    CUresult (*mem_free_host)(void *);
+    CUcontext ctx[FMC_CUDA_MAX_DEVICES];
+} cu;
+
+static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int load(void)
+{
+    const char *names[] = {"libcuda.so.1", "libcuda.so"};
+    for (size_t i = 0; i < 2 && !cu.lib; i++)
+        cu.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!cu.lib)
+        return -1;
+#define SYM(field, name)                                 \
+    do {                                                 \
+        *(void **)&cu.field = dlsym(cu.lib, name);       \
+        if (!cu.field)                                   \
+            return -1;                                   \
+    } while (0)
+    SYM(init, "cuInit");
+    SYM(pointer_get_attribute, "cuPointerGetAttribute");
+    SYM(device_get, "cuDeviceGet");
+    SYM(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+    SYM(ctx_set_current, "cuCtxSetCurrent");
+    SYM(memcpy_, "cuMemcpy");
+    SYM(mem_get_address_range, "cuMemGetAddressRange_v2");
+    SYM(mem_alloc_host, "cuMemAllocHost_v2");
+    SYM(mem_free_host, "cuMemFreeHost");
+#undef SYM
+    return cu.init(0) == 0 ? 0 : -1;
+}
+
+int fmc_cuda_available(void)
+{
+    pthread_mutex_lock(&cu_mu);
+    if (cu.state == 0)
+        cu.state = load() == 0 ? 1 : -1;
+    int ok = cu.state == 1;
+    pthread_mutex_unlock(&cu_mu);
+    return ok;
+}
+
+/* Make the device's primary context current in this thread (contexts are per thread). */
+static int use_device(int device)
+{
+    if (device < 0 || device >= FMC_CUDA_MAX_DEVICES)
+        return -1;
+    pthread_mutex_lock(&cu_mu);
+    if (!cu.ctx[device]) {
+        CUdevice dev;
+        if (cu.device_get(&dev, device) != 0 || cu.primary_ctx_retain(&cu.ctx[device], dev) != 0)
+            cu.ctx[device] = NULL;
+    }
+    CUcontext ctx = cu.ctx[device];
+    pthread_mutex_unlock(&cu_mu);
+    return ctx && cu.ctx_set_current(ctx) == 0 ? 0 : -1;
+}
+
+int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
+{
+    *device = -1;
+    if (!fmc_cuda_available() || use_device(0) != 0)
+        return 0;
+    unsigned int type = 0;
+    int ordinal = -1;
+    if (cu.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)addr) != 0 ||
+        type != CU_MEMORYTYPE_DEVICE ||
+        cu.pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)addr) != 0)
+        return 0;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (use_device(ordinal) != 0 || cu.mem_get_address_range(&base, &size, (CUdeviceptr)addr) != 0 ||
+        addr + len > base + size) {
+        fmc_set_error("[0x%llx, +%llu) runs past the end of its GPU allocation", (unsigned long long)addr,
+                      (unsigned long long)len);
+        return -1;
+    }
+    *device = ordinal;
+    return 1;
+}
+
+int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
+{
+    if (use_device(device) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    return cu.memcpy_((CUdeviceptr)dst, (CUdeviceptr)src, len) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+}
+
+/* Host staging memory: pinned when CUDA is there (faster copies), plain otherwise. */
+void *fmc_staging_alloc(size_t len, int *pinned)
+{
+    *pinned = 0;
+    if (fmc_cuda_available() && use_device(0) == 0) {
+        void *p = NULL;
+        if (cu.mem_alloc_host(&p, len) == 0) {
+            *pinned = 1;
+            return p;
+        }
+    }
+    return malloc(len);
+}
+
+void fmc_staging_free(void *p, int pinned)
+{
+    if (!p)
+        return;
+    if (pinned)
+        cu.mem_free_host(p);
+    else
+        free(p);
+}
+
+int fmc_cuda_usable(void) { return fmc_cuda_available(); }
+
+int fmc_staging_reserve(fmc_staging *s, size_t len)
+{
+    if (s->cap >= len)
+        return 0;
+    fmc_staging_free(s->buf, s->pinned);
+    s->buf = fmc_staging_alloc(len, &s->pinned);
+    s->cap = s->buf ? len : 0;
+    return s->buf ? 0 : -1;
+}
+
+void fmc_staging_release(fmc_staging *s)
+{
+    fmc_staging_free(s->buf, s->pinned);
+    s->buf = NULL;
+    s->cap = 0;
+}
