@@ -57,6 +57,7 @@ int fmc_region_table(fmc_engine *engine, uint64_t *addrs, uint64_t *lens, uint32
 int fmc_region_slots(fmc_engine *engine, int32_t *slots, uint32_t *gens, int cap);
 int fmc_engine_same_host_fd(fmc_engine *engine);
 uint64_t fmc_engine_same_host_addr(fmc_engine *engine);
+int fmc_region_cuda_ipc(fmc_engine *engine, uint64_t addr, uint8_t *handle64, uint64_t *alloc_base, int *device);
 
 int fmc_peer_create(fmc_engine *engine, const char *host, int data_port, int nstreams,
                     uint64_t slice_size, fmc_peer **out);
@@ -69,6 +70,7 @@ int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32
                               const uint32_t *gens, int n);
 int fmc_peer_enable_same_host(fmc_peer *peer, int pid, int ctrl_fd, uint64_t ctrl_addr);
 int fmc_peer_is_same_host(fmc_peer *peer);
+int fmc_peer_set_region_ipc(fmc_peer *peer, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);
 void fmc_peer_close(fmc_peer *peer);

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from . import errors
 try:
@@ -123,6 +123,18 @@ class CoreEngine:
                 return [(int(slots[i]), int(gens[i])) for i in range(n)]
             cap = n * 2
 
+    def cuda_ipc(self, addr: int) -> Optional[Tuple[int, bytes, int]]:
+        """(device, 64-byte CUDA IPC handle, allocation base) of a registered GPU region, else None."""
+        handle = ffi.new("uint8_t[64]")
+        base = ffi.new("uint64_t *")
+        dev = ffi.new("int *")
+        rc = lib.fmc_region_cuda_ipc(self._ptr, addr, handle, base, dev)
+        if rc <= 0:
+            if rc < 0:
+                log.warning("GPU region at %#x cannot be shared over CUDA IPC: %s", addr, last_error())
+            return None
+        return int(dev[0]), bytes(ffi.buffer(handle, 64)), int(base[0])
+
     @property
     def same_host_fd(self) -> int:
         """fd of the control block same-host peers map (-1 if this engine has none)."""
@@ -211,6 +223,10 @@ class CorePeer:
     @property
     def same_host(self) -> bool:
         return bool(lib.fmc_peer_is_same_host(self._ptr))
+
+    def set_region_ipc(self, addr: int, device: int, handle: bytes, alloc_base: int) -> None:
+        """A remote GPU region: remember it is GPU memory and, same host, map it with CUDA IPC."""
+        _raise_for(lib.fmc_peer_set_region_ipc(self._ptr, addr, handle, alloc_base, device))
 
     def connect(self, timeout_ms: int) -> None:
         """Open every data stream (blocking; run it off the event loop)."""

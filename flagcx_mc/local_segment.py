@@ -32,6 +32,7 @@ class LocalSegment:
         self._core = core
         self._notifies = notifies
         self._boot_id = boot_id()
+        self._ipc_cache: dict = {}  # addr -> (device, handle hex, allocation base) or None
         self.name = ""
 
     def desc(self) -> SegmentDesc:
@@ -48,7 +49,7 @@ class LocalSegment:
             native=NativeInfo(
                 version=NATIVE_VERSION,
                 data_port=self._core.data_port,
-                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g)
+                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._cuda(a))
                               for (a, n, k), (sl, g) in zip(table, slots)),
                 boot_id=self._boot_id,
                 pid=os.getpid(),
@@ -56,6 +57,13 @@ class LocalSegment:
                 shm_addr=self._core.same_host_addr,
             ),
         )
+
+    def _cuda(self, addr: int):
+        """GPU regions carry their CUDA IPC handle (exported once, then cached)."""
+        if addr not in self._ipc_cache:
+            info = self._core.cuda_ipc(addr)
+            self._ipc_cache[addr] = None if info is None else (info[0], info[1].hex(), info[2])
+        return self._ipc_cache[addr]
 
     def desc_json(self) -> dict:
         return self.desc().to_json_dict()

@@ -55,6 +55,7 @@ class RegionDesc:
     key: int
     slot: int = -1  # same-host control slot (-1: none), with its generation
     gen: int = 0
+    cuda: tuple | None = None  # GPU memory: (device, CUDA IPC handle as hex, allocation base)
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,17 @@ class NativeInfo:
             length = _req_uint(r, "length", where)
             if addr + length > _U64:
                 raise MalformedJsonError(f"{where}: addr + length overflows 64 bits")
-            slot, gen = -1, 0
+            slot, gen, cuda = -1, 0, None
             if "slot" in r:
                 slot = _req_uint(r, "slot", where, bound=_U32)
                 gen = _req_uint(r, "gen", where, bound=_U32)
-            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32), slot, gen))
+            if "cuda" in r:
+                c = _as_object(r["cuda"], f"{where}.cuda")
+                handle = _req_str(c, "ipc", f"{where}.cuda")
+                if len(handle) != 128 or any(ch not in "0123456789abcdef" for ch in handle):
+                    raise MalformedJsonError(f"{where}.cuda.ipc: not a 64-byte hex handle")
+                cuda = (_req_uint(c, "dev", f"{where}.cuda", bound=1024), handle, _req_uint(c, "base", f"{where}.cuda"))
+            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32), slot, gen, cuda))
         return cls(
             version=_req_uint(obj, "version", NATIVE_KEY),
             data_port=_req_port(obj, "data_port", NATIVE_KEY),
@@ -118,6 +125,8 @@ def _region_json(r: RegionDesc) -> dict[str, Any]:
     out = {"addr": r.addr, "length": r.length, "key": r.key}
     if r.slot >= 0:
         out["slot"], out["gen"] = r.slot, r.gen
+    if r.cuda is not None:
+        out["cuda"] = {"dev": r.cuda[0], "ipc": r.cuda[1], "base": r.cuda[2]}
     return out
 
 

@@ -135,8 +135,8 @@ class SessionCache:
         peer = CorePeer(self._core, host, data_port, self._config.streams_per_peer, self._config.slice_size)
         if desc.native is None:
             peer.set_protocol(PROTO_MOONCAKE)
-        _set_regions(peer, desc)
         self._try_same_host(peer, desc)
+        _set_regions(peer, desc)
         return peer
 
     def _try_same_host(self, peer: CorePeer, desc: SegmentDesc) -> None:
@@ -175,8 +175,16 @@ class SessionCache:
 
 def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
     peer.set_regions(_regions(desc))
-    if desc.native is not None:
-        peer.set_region_slots([(r.addr, r.slot, r.gen) for r in desc.native.regions])
+    if desc.native is None:
+        return
+    peer.set_region_slots([(r.addr, r.slot, r.gen) for r in desc.native.regions])
+    for r in desc.native.regions:
+        if r.cuda is not None:
+            device, handle, alloc_base = r.cuda
+            try:
+                peer.set_region_ipc(r.addr, device, bytes.fromhex(handle), alloc_base)
+            except errors.FlagcxMcError as exc:  # that region then goes over TCP
+                log.warning("cannot map GPU region %#x of %s with CUDA IPC: %s", r.addr, desc.name, exc)
 
 
 def _regions(desc: SegmentDesc) -> List[Tuple[int, int, int]]:

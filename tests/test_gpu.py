@@ -79,3 +79,19 @@ def _region_addr(node, index: int) -> int:
     """Address of a node region added after start (regions[] only lists the initial ones)."""
     info = node.call("region_info", region=index)
     return info["addr"]
+
+
+def test_same_host_gpu_copies_bypass_the_network(gpu_pair, request):
+    """With transport=auto, GPU -> GPU on one host goes through CUDA IPC: the target's data
+    server never sees those bytes; with transport=tcp it does."""
+    eng, node, bufs = gpu_pair
+    gpu = bufs["gpu"]
+    before = node.call("stats")["bytes_served_in"]
+    digest = gpu.fill_random(0, 8 << 20)
+    assert eng.transfer_sync_write(node.session, gpu.addr, _region_addr(node, 1), 8 << 20) == 0
+    assert node.call("digest", region=1, offset=0, length=8 << 20)["digest"] == digest
+    served = node.call("stats")["bytes_served_in"] - before
+    if eng._engine.config.transport == "auto":
+        assert served == 0
+    else:
+        assert served == 8 << 20

@@ -60,23 +60,17 @@ static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices);
 /* The same-host path: copy now, in this thread, and hand back a batch that is already finished.
  * Returns 1 (not taken: some region has no same-host slot) so the caller falls back to TCP. */
 static int same_host(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                     const uint64_t *lens, fmc_batch **out, int64_t deadline_ms)
+                     const uint64_t *lens, const int32_t *local_dev, fmc_batch **out, int64_t deadline_ms)
 {
-    int32_t *slots = malloc(sizeof *slots * (size_t)(n ? n : 1));
-    uint32_t *gens = malloc(sizeof *gens * (size_t)(n ? n : 1));
-    if (!slots || !gens) {
-        free(slots);
-        free(gens);
+    fmc_sh_route *routes = malloc(sizeof *routes * (size_t)(n ? n : 1));
+    if (!routes)
         return FMC_ERR_MEMORY;
-    }
-    if (!fmc_peer_lookup_slots(p, n, remote, lens, slots, gens)) {
-        free(slots);
-        free(gens);
+    if (!fmc_peer_lookup_routes(p, n, remote, lens, local_dev, routes)) {
+        free(routes);
         return 1;
     }
-    int rc = fmc_sh_transfer(p, opcode, n, local, remote, lens, slots, gens, deadline_ms);
-    free(slots);
-    free(gens);
+    int rc = fmc_sh_transfer(p, opcode, n, local, remote, lens, local_dev, routes, deadline_ms);
+    free(routes);
     fmc_batch *b = batch_alloc(p, opcode, n, 0);
     if (!b)
         return FMC_ERR_MEMORY;
@@ -161,7 +155,6 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         free(keys);
         return FMC_ERR_MEMORY;
     }
-    int any_gpu = 0;
     for (int i = 0; i < n; i++) {
         ldev[i] = -1;
         if (lens[i] == 0)
@@ -176,11 +169,10 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             return FMC_ERR_ADDRESS_NOT_REGISTERED;
         }
         ldev[i] = dev;
-        any_gpu |= dev >= 0;
         nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
     }
-    if (p->sh && !any_gpu) { /* process_vm_writev cannot reach GPU memory: those go over TCP */
-        rc = same_host(p, opcode, n, local, remote, lens, out, inline_deadline_ms);
+    if (p->sh) {
+        rc = same_host(p, opcode, n, local, remote, lens, ldev, out, inline_deadline_ms);
         if (rc != 1) {
             free(keys);
             free(ldev);

@@ -17,6 +17,9 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
 typedef unsigned long long CUdeviceptr;
+typedef struct {
+    char reserved[FMC_CUDA_IPC_HANDLE_SIZE];
+} CUipcMemHandle;
 
 #define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
 #define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
@@ -35,6 +38,9 @@ static struct {
     CUresult (*mem_get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
     CUresult (*mem_alloc_host)(void **, size_t);
     CUresult (*mem_free_host)(void *);
+    CUresult (*ipc_get_mem_handle)(void *, CUdeviceptr);
+    CUresult (*ipc_open_mem_handle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+    CUresult (*ipc_close_mem_handle)(CUdeviceptr);
     CUcontext ctx[FMC_CUDA_MAX_DEVICES];
 } cu;
 
@@ -62,6 +68,9 @@ static int load(void)
     SYM(mem_get_address_range, "cuMemGetAddressRange_v2");
     SYM(mem_alloc_host, "cuMemAllocHost_v2");
     SYM(mem_free_host, "cuMemFreeHost");
+    SYM(ipc_get_mem_handle, "cuIpcGetMemHandle");
+    SYM(ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
+    SYM(ipc_close_mem_handle, "cuIpcCloseMemHandle");
 #undef SYM
     return cu.init(0) == 0 ? 0 : -1;
 }
@@ -163,4 +172,43 @@ void fmc_staging_release(fmc_staging *s)
     fmc_staging_free(s->buf, s->pinned);
     s->buf = NULL;
     s->cap = 0;
+}
+
+/* ------------------------------------------------------------------ CUDA IPC (same host) */
+
+int fmc_cuda_ipc_export(uint64_t addr, uint8_t *handle, uint64_t *alloc_base, int *device)
+{
+    int dev = -1;
+    if (fmc_cuda_device_of(addr, 1, &dev) != 1)
+        return FMC_ERR_INVALID_ARGUMENT;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (use_device(dev) != 0 || cu.mem_get_address_range(&base, &size, (CUdeviceptr)addr) != 0 ||
+        cu.ipc_get_mem_handle(handle, base) != 0) {
+        fmc_set_error("cannot export GPU memory at 0x%llx for CUDA IPC", (unsigned long long)addr);
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    }
+    *alloc_base = base;
+    *device = dev;
+    return FMC_OK;
+}
+
+int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped)
+{
+    CUipcMemHandle h;
+    memcpy(h.reserved, handle, sizeof h.reserved);
+    CUdeviceptr ptr = 0;
+    if (!fmc_cuda_available() || use_device(device) != 0 ||
+        cu.ipc_open_mem_handle(&ptr, h, 1 /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */) != 0) {
+        fmc_set_error("cannot open the peer's CUDA IPC handle on device %d", device);
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    }
+    *mapped = ptr;
+    return FMC_OK;
+}
+
+void fmc_cuda_ipc_close(uint64_t mapped, int device)
+{
+    if (mapped && use_device(device) == 0)
+        cu.ipc_close_mem_handle((CUdeviceptr)mapped);
 }

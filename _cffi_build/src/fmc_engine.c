@@ -198,10 +198,10 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
     if (rc == FMC_OK) {
         fmc_region *r = fmc_registry_find(&e->reg, addr, len);
         r->cuda_dev = dev;
-        if (writable && dev < 0)
+        if (writable)
             fmc_sh_slot_assign(e, r);
         else
-            r->sh_slot = -1; /* read-only or GPU memory: same-host peers use TCP for it */
+            r->sh_slot = -1; /* read-only: same-host peers would write it unchecked, keep them on TCP */
     }
     pthread_mutex_unlock(&e->mu);
     if (rc == FMC_OK && key_out)
@@ -244,6 +244,18 @@ int fmc_unregister(fmc_engine *e, uint64_t addr)
     pthread_mutex_unlock(&e->mu);
     free(r);
     return rc;
+}
+
+int fmc_region_cuda_ipc(fmc_engine *e, uint64_t addr, uint8_t *handle64, uint64_t *alloc_base, int *device)
+{
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
+    int dev = r ? r->cuda_dev : -1;
+    pthread_mutex_unlock(&e->mu);
+    if (dev < 0)
+        return 0;
+    int rc = fmc_cuda_ipc_export(addr, handle64, alloc_base, device);
+    return rc == FMC_OK ? 1 : rc;
 }
 
 int fmc_region_slots(fmc_engine *e, int32_t *slots, uint32_t *gens, int cap)

@@ -65,6 +65,10 @@ int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce);
 int fmc_auth_client(int fd, const fmc_secret *s);
 
 /* ---------------------------------------------------------------- GPU memory (fmc_cuda.c) */
+#define FMC_CUDA_IPC_HANDLE_SIZE 64
+int fmc_cuda_ipc_export(uint64_t addr, uint8_t *handle, uint64_t *alloc_base, int *device);
+int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped);
+void fmc_cuda_ipc_close(uint64_t mapped, int device);
 int fmc_cuda_available(void);
 /* 1 and *device if [addr, addr+len) is GPU memory; 0 if not; -1 if it overruns its allocation. */
 int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device);
@@ -223,6 +227,9 @@ struct fmc_peer {
     uint32_t *r_key;
     int32_t *r_slot;          /* same-host slot of each region (-1: none) */
     uint32_t *r_gen;
+    int32_t *r_dev;           /* GPU of each remote region (-1: host memory) */
+    uint64_t *r_ipc_base;     /* its allocation's base over there, */
+    uint64_t *r_ipc_mapped;   /* and where CUDA IPC mapped that allocation here (0: not mapped) */
     int r_count;
     fmc_sh_ctrl *sh;          /* mapped control block of a same-host peer, else NULL */
     int sh_pid, sh_index;
@@ -240,10 +247,18 @@ void fmc_sh_engine_free(fmc_engine *e);
 void fmc_sh_slot_assign(fmc_engine *e, fmc_region *r);
 int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r);
 void fmc_sh_peer_release(struct fmc_peer *p);
-int fmc_peer_lookup_slots(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, int32_t *slots,
-                          uint32_t *gens);
+/* Per-task same-host route: slot/gen, and for GPU regions the address to copy at (in our
+ * mapping) and the device.  0 if some task cannot take the same-host path. */
+typedef struct {
+    int32_t slot;
+    uint32_t gen;
+    int32_t dev;       /* -1: host memory (process_vm_*); else cuMemcpy through the IPC mapping */
+    uint64_t mapped;   /* remote address translated into our IPC mapping */
+} fmc_sh_route;
+int fmc_peer_lookup_routes(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens,
+                           const int32_t *local_dev, fmc_sh_route *routes);
 int fmc_sh_transfer(struct fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                    const uint64_t *lens, const int32_t *slots, const uint32_t *gens, int64_t deadline_ms);
+                    const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms);
 void fmc_slice_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);

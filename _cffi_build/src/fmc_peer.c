@@ -432,21 +432,105 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
         free(g);
         return FMC_ERR_MEMORY;
     }
-    for (int i = 0; i < n; i++)
+    int32_t *dv = malloc(sizeof *dv * (size_t)(n ? n : 1));
+    uint64_t *ib = calloc((size_t)(n ? n : 1), sizeof *ib), *im = calloc((size_t)(n ? n : 1), sizeof *im);
+    if (!dv || !ib || !im) {
+        free(a);
+        free(l);
+        free(k);
+        free(sl);
+        free(g);
+        free(dv);
+        free(ib);
+        free(im);
+        return FMC_ERR_MEMORY;
+    }
+    for (int i = 0; i < n; i++) {
         sl[i] = -1; /* no same-host slot until fmc_peer_set_region_slots says so */
+        dv[i] = -1;
+    }
     pthread_mutex_lock(&p->mu);
+    /* CUDA IPC mappings of regions that are still there carry over; the others are closed. */
+    for (int j = 0; j < p->r_count; j++) {
+        if (!p->r_ipc_mapped || !p->r_ipc_mapped[j])
+            continue;
+        int kept = 0;
+        for (int i = 0; i < n && !kept; i++) {
+            if (a[i] == p->r_addr[j] && l[i] == p->r_len[j]) {
+                dv[i] = p->r_dev[j];
+                ib[i] = p->r_ipc_base[j];
+                im[i] = p->r_ipc_mapped[j];
+                kept = 1;
+            }
+        }
+        if (!kept)
+            fmc_cuda_ipc_close(p->r_ipc_mapped[j], p->r_dev[j]);
+    }
     free(p->r_addr);
     free(p->r_len);
     free(p->r_key);
     free(p->r_slot);
     free(p->r_gen);
+    free(p->r_dev);
+    free(p->r_ipc_base);
+    free(p->r_ipc_mapped);
     p->r_addr = a;
     p->r_len = l;
     p->r_key = k;
     p->r_slot = sl;
     p->r_gen = g;
+    p->r_dev = dv;
+    p->r_ipc_base = ib;
+    p->r_ipc_mapped = im;
     p->r_count = n;
     pthread_mutex_unlock(&p->mu);
+    return FMC_OK;
+}
+
+static int index_of_locked(fmc_peer *p, uint64_t addr)
+{
+    int lo = 0, hi = p->r_count - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (p->r_addr[mid] == addr)
+            return mid;
+        if (p->r_addr[mid] < addr)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return -1;
+}
+
+/* A remote GPU region's CUDA IPC handle: map it here, for same-host copies with cuMemcpy. */
+int fmc_peer_set_region_ipc(fmc_peer *p, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device)
+{
+    pthread_mutex_lock(&p->mu);
+    int i = index_of_locked(p, addr);
+    int have = i >= 0 && p->r_ipc_mapped[i] && p->r_ipc_base[i] == alloc_base && p->r_dev[i] == device;
+    if (i >= 0 && !p->r_ipc_mapped[i])
+        p->r_dev[i] = device; /* known to be GPU memory even if we cannot map it: not for process_vm_* */
+    int same_host = p->sh != NULL;
+    pthread_mutex_unlock(&p->mu);
+    if (i < 0)
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    if (have || !same_host)
+        return FMC_OK;
+    uint64_t mapped = 0;
+    int rc = fmc_cuda_ipc_open(handle64, device, &mapped);
+    if (rc != FMC_OK)
+        return rc;
+    pthread_mutex_lock(&p->mu);
+    i = index_of_locked(p, addr);
+    if (i >= 0 && !p->r_ipc_mapped[i]) {
+        p->r_dev[i] = device;
+        p->r_ipc_base[i] = alloc_base;
+        p->r_ipc_mapped[i] = mapped;
+        mapped = 0;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (mapped)
+        fmc_cuda_ipc_close(mapped, device); /* lost a race or the region went away */
     return FMC_OK;
 }
 
@@ -481,43 +565,37 @@ int fmc_peer_is_same_host(fmc_peer *p)
     return on;
 }
 
-/* Slots for every task; 0 if some task's region has none (then the batch goes over TCP). */
-int fmc_peer_lookup_slots(fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, int32_t *slots,
-                          uint32_t *gens)
+/* Routes for every task; 0 if some task cannot go the same-host way (then the batch uses TCP):
+ * a region without a slot, a GPU region we could not map, or a GPU source/destination here with
+ * host memory there (process_vm_* cannot reach GPU memory). */
+int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
+                           fmc_sh_route *routes)
 {
     pthread_mutex_lock(&p->mu);
-    for (int i = 0; i < n; i++) {
-        slots[i] = -1;
-        gens[i] = 0;
+    int ok = 1;
+    for (int i = 0; i < n && ok; i++) {
+        routes[i] = (fmc_sh_route){.slot = -1, .dev = -1};
         if (lens[i] == 0)
             continue;
         uint64_t base;
-        if (find_locked(p, remote[i], lens[i], &base, NULL) != FMC_OK) {
-            pthread_mutex_unlock(&p->mu);
-            return 0;
-        }
-        int lo = 0, hi = p->r_count - 1, idx = -1;
-        while (lo <= hi) {
-            int mid = lo + (hi - lo) / 2;
-            if (p->r_addr[mid] <= base) {
-                idx = mid;
-                lo = mid + 1;
-            } else {
-                hi = mid - 1;
-            }
-        }
+        int idx = find_locked(p, remote[i], lens[i], &base, NULL) == FMC_OK ? index_of_locked(p, base) : -1;
         if (idx < 0 || p->r_slot[idx] < 0) {
-            pthread_mutex_unlock(&p->mu);
-            return 0;
+            ok = 0;
+            break;
         }
-        slots[i] = p->r_slot[idx];
-        gens[i] = p->r_gen[idx];
+        routes[i].slot = p->r_slot[idx];
+        routes[i].gen = p->r_gen[idx];
+        if (p->r_ipc_mapped[idx]) {
+            routes[i].dev = p->r_dev[idx];
+            routes[i].mapped = p->r_ipc_mapped[idx] + (remote[i] - p->r_ipc_base[idx]);
+        } else if (p->r_dev[idx] >= 0 || local_dev[i] >= 0) {
+            ok = 0;
+        }
     }
     pthread_mutex_unlock(&p->mu);
-    return 1;
+    return ok;
 }
 
-/* The seed's make_desc: the remote region and key that wholly hold [addr, addr+len). */
 static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key)
 {
     if (len == 0 || addr + len < addr)
@@ -722,6 +800,12 @@ void fmc_peer_release(fmc_peer *p)
     }
     pthread_mutex_destroy(&p->mu);
     fmc_sh_peer_release(p);
+    for (int i = 0; i < p->r_count; i++)
+        if (p->r_ipc_mapped && p->r_ipc_mapped[i])
+            fmc_cuda_ipc_close(p->r_ipc_mapped[i], p->r_dev[i]);
+    free(p->r_dev);
+    free(p->r_ipc_base);
+    free(p->r_ipc_mapped);
     free(p->r_addr);
     free(p->r_len);
     free(p->r_key);

@@ -202,9 +202,22 @@ void fmc_sh_peer_release(fmc_peer *p)
     }
 }
 
-/* Copy every task, region by region.  Runs in the calling thread. */
+/* Announce the copy in our busy word, then check the region is still what we think it is. */
+static int enter(fmc_sh_ctrl *c, _Atomic uint64_t *busy, const fmc_sh_route *r, uint64_t remote)
+{
+    atomic_store(busy, (uint64_t)r->slot + 1);
+    if (atomic_load(&c->slot_state[r->slot]) != (((uint64_t)r->gen << 1) | 1)) {
+        atomic_store(busy, 0);
+        fmc_set_error("the peer unregistered the region holding 0x%llx", (unsigned long long)remote);
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    }
+    return FMC_OK;
+}
+
+/* Copy every task in the calling thread: host regions with process_vm_writev/readv (consecutive
+ * tasks of one region in one syscall), GPU regions with cuMemcpy through their IPC mapping. */
 int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                    const uint64_t *lens, const int32_t *slots, const uint32_t *gens, int64_t deadline_ms)
+                    const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms)
 {
     fmc_sh_ctrl *c = p->sh;
     _Atomic uint64_t *busy = &c->busy[p->sh_index];
@@ -219,14 +232,27 @@ int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const
             fmc_set_error("same-host transfer to pid %d timed out", p->sh_pid);
             return FMC_ERR_TIMEOUT;
         }
-        /* Gather consecutive tasks of the same region into one syscall (up to SH_CHUNK bytes). */
-        int slot = slots[i];
-        uint64_t want = ((uint64_t)gens[i] << 1) | 1;
-        int k = 0;
+        const fmc_sh_route *r = &routes[i];
+        if (r->dev >= 0) { /* GPU memory over there, mapped here by CUDA IPC */
+            int rc = enter(c, busy, r, remote[i]);
+            if (rc != FMC_OK)
+                return rc;
+            uint64_t dst = opcode == FMC_OP_WRITE ? r->mapped : local[i];
+            uint64_t src = opcode == FMC_OP_WRITE ? local[i] : r->mapped;
+            rc = fmc_cuda_copy(dst, src, (size_t)lens[i], local_dev[i] >= 0 ? local_dev[i] : r->dev);
+            atomic_store(busy, 0);
+            if (rc != FMC_OK) {
+                fmc_set_error("CUDA IPC copy with pid %d failed", p->sh_pid);
+                return FMC_ERR_SOCKET;
+            }
+            i++;
+            continue;
+        }
+        /* Gather consecutive host tasks of the same region into one syscall (up to SH_CHUNK). */
+        int k = 0, j = i;
         size_t bytes = 0;
-        int j = i;
-        while (j < n && k < SH_IOV && (lens[j] == 0 || (slots[j] == slot && gens[j] == gens[i])) &&
-               (bytes < SH_CHUNK || k == 0)) {
+        while (j < n && k < SH_IOV && (bytes < SH_CHUNK || k == 0) &&
+               (lens[j] == 0 || (routes[j].dev < 0 && routes[j].slot == r->slot && routes[j].gen == r->gen))) {
             if (lens[j]) {
                 liov[k] = (struct iovec){.iov_base = (void *)(uintptr_t)local[j], .iov_len = (size_t)lens[j]};
                 riov[k] = (struct iovec){.iov_base = (void *)(uintptr_t)remote[j], .iov_len = (size_t)lens[j]};
@@ -235,12 +261,9 @@ int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const
             }
             j++;
         }
-        atomic_store(busy, (uint64_t)slot + 1);
-        if (atomic_load(&c->slot_state[slot]) != want) {
-            atomic_store(busy, 0);
-            fmc_set_error("the peer unregistered the region holding 0x%llx", (unsigned long long)remote[i]);
-            return FMC_ERR_ADDRESS_NOT_REGISTERED;
-        }
+        int rc = enter(c, busy, r, remote[i]);
+        if (rc != FMC_OK)
+            return rc;
         ssize_t done = opcode == FMC_OP_WRITE
                            ? process_vm_writev(p->sh_pid, liov, (unsigned long)k, riov, (unsigned long)k, 0)
                            : process_vm_readv(p->sh_pid, liov, (unsigned long)k, riov, (unsigned long)k, 0);
