@@ -34,14 +34,17 @@ static struct {
     CUresult (*device_get)(CUdevice *, int);
     CUresult (*primary_ctx_retain)(CUcontext *, CUdevice);
     CUresult (*ctx_set_current)(CUcontext);
-    CUresult (*memcpy_)(CUdeviceptr, CUdeviceptr, size_t);
     CUresult (*mem_get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
     CUresult (*mem_alloc_host)(void **, size_t);
     CUresult (*mem_free_host)(void *);
     CUresult (*ipc_get_mem_handle)(void *, CUdeviceptr);
     CUresult (*ipc_open_mem_handle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
     CUresult (*ipc_close_mem_handle)(CUdeviceptr);
+    CUresult (*stream_create)(void **, unsigned int);
+    CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, void *);
+    CUresult (*stream_synchronize)(void *);
     CUcontext ctx[FMC_CUDA_MAX_DEVICES];
+    void *stream[FMC_CUDA_MAX_DEVICES];
 } cu;
 
 static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -64,13 +67,15 @@ static int load(void)
     SYM(device_get, "cuDeviceGet");
     SYM(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
     SYM(ctx_set_current, "cuCtxSetCurrent");
-    SYM(memcpy_, "cuMemcpy");
     SYM(mem_get_address_range, "cuMemGetAddressRange_v2");
     SYM(mem_alloc_host, "cuMemAllocHost_v2");
     SYM(mem_free_host, "cuMemFreeHost");
     SYM(ipc_get_mem_handle, "cuIpcGetMemHandle");
     SYM(ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
     SYM(ipc_close_mem_handle, "cuIpcCloseMemHandle");
+    SYM(stream_create, "cuStreamCreate");
+    SYM(memcpy_async, "cuMemcpyAsync");
+    SYM(stream_synchronize, "cuStreamSynchronize");
 #undef SYM
     return cu.init(0) == 0 ? 0 : -1;
 }
@@ -124,11 +129,24 @@ int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
     return 1;
 }
 
+/* Copy and wait until the bytes are in place.  A plain cuMemcpy may return before a
+ * device-to-device (or pageable host-to-device) copy has landed, and a transfer must not report
+ * success before that; so copy on our own non-blocking stream and synchronise just that stream
+ * (not the whole context, where the application's kernels run). */
 int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
 {
     if (use_device(device) != 0)
         return FMC_ERR_DEVICE_NOT_FOUND;
-    return cu.memcpy_((CUdeviceptr)dst, (CUdeviceptr)src, len) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+    pthread_mutex_lock(&cu_mu);
+    if (!cu.stream[device] && cu.stream_create(&cu.stream[device], 1 /* CU_STREAM_NON_BLOCKING */) != 0)
+        cu.stream[device] = NULL;
+    void *stream = cu.stream[device];
+    pthread_mutex_unlock(&cu_mu);
+    if (!stream)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    if (cu.memcpy_async((CUdeviceptr)dst, (CUdeviceptr)src, len, stream) != 0 || cu.stream_synchronize(stream) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    return FMC_OK;
 }
 
 /* Host staging memory: pinned when CUDA is there (faster copies), plain otherwise. */
