@@ -77,7 +77,12 @@ async def test_killed_target_fails_fast_and_later_calls_fail_fast(fast_engine):
     victim = NodeProcess(regions=[BIG])
     try:
         await eng.transfer_sync_write(victim.session, buf.addr, victim.addr(0), 4096)
-        transfer = asyncio.ensure_future(eng.transfer_sync_write(victim.session, buf.addr, victim.addr(0), BIG))
+
+        async def keep_writing():  # on a fast machine one 64 MiB write may end before the kill
+            while True:
+                await eng.transfer_sync_write(victim.session, buf.addr, victim.addr(0), BIG)
+
+        transfer = asyncio.ensure_future(keep_writing())
         await asyncio.sleep(0.01)
         victim.proc.kill()
         victim.proc.wait(5)

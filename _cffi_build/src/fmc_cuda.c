@@ -129,24 +129,40 @@ int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
     return 1;
 }
 
-/* Copy and wait until the bytes are in place.  A plain cuMemcpy may return before a
- * device-to-device (or pageable host-to-device) copy has landed, and a transfer must not report
- * success before that; so copy on our own non-blocking stream and synchronise just that stream
- * (not the whole context, where the application's kernels run). */
-int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
+/* Copies go on our own non-blocking stream, one per device; waiting synchronises just that
+ * stream (not the whole context, where the application's kernels run).  A plain cuMemcpy may
+ * return before a device-to-device or pageable host-to-device copy has landed, and a transfer
+ * must not report success before that. */
+static void *stream_of(int device)
 {
     if (use_device(device) != 0)
-        return FMC_ERR_DEVICE_NOT_FOUND;
+        return NULL;
     pthread_mutex_lock(&cu_mu);
     if (!cu.stream[device] && cu.stream_create(&cu.stream[device], 1 /* CU_STREAM_NON_BLOCKING */) != 0)
         cu.stream[device] = NULL;
     void *stream = cu.stream[device];
     pthread_mutex_unlock(&cu_mu);
-    if (!stream)
-        return FMC_ERR_DEVICE_NOT_FOUND;
-    if (cu.memcpy_async((CUdeviceptr)dst, (CUdeviceptr)src, len, stream) != 0 || cu.stream_synchronize(stream) != 0)
-        return FMC_ERR_DEVICE_NOT_FOUND;
-    return FMC_OK;
+    return stream;
+}
+
+int fmc_cuda_copy_async(uint64_t dst, uint64_t src, size_t len, int device)
+{
+    void *stream = stream_of(device);
+    return stream && cu.memcpy_async((CUdeviceptr)dst, (CUdeviceptr)src, len, stream) == 0 ? FMC_OK
+                                                                                         : FMC_ERR_DEVICE_NOT_FOUND;
+}
+
+int fmc_cuda_wait(int device)
+{
+    void *stream = stream_of(device);
+    return stream && cu.stream_synchronize(stream) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+}
+
+int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
+{
+    int rc = fmc_cuda_copy_async(dst, src, len, device);
+    int wait = fmc_cuda_wait(device);
+    return rc != FMC_OK ? rc : wait;
 }
 
 /* Host staging memory: pinned when CUDA is there (faster copies), plain otherwise. */

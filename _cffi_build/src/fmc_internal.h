@@ -72,7 +72,9 @@ void fmc_cuda_ipc_close(uint64_t mapped, int device);
 int fmc_cuda_available(void);
 /* 1 and *device if [addr, addr+len) is GPU memory; 0 if not; -1 if it overruns its allocation. */
 int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device);
-int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device);
+int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device); /* returns once landed */
+int fmc_cuda_copy_async(uint64_t dst, uint64_t src, size_t len, int device); /* then fmc_cuda_wait */
+int fmc_cuda_wait(int device);
 void *fmc_staging_alloc(size_t len, int *pinned);
 void fmc_staging_free(void *p, int pinned);
 

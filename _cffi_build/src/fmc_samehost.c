@@ -233,19 +233,30 @@ int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const
             return FMC_ERR_TIMEOUT;
         }
         const fmc_sh_route *r = &routes[i];
-        if (r->dev >= 0) { /* GPU memory over there, mapped here by CUDA IPC */
+        if (r->dev >= 0) {
+            /* GPU memory over there, mapped here by CUDA IPC: queue the copies of consecutive tasks
+             * into this region on one stream, wait once, and only then leave the fence. */
             int rc = enter(c, busy, r, remote[i]);
             if (rc != FMC_OK)
                 return rc;
-            uint64_t dst = opcode == FMC_OP_WRITE ? r->mapped : local[i];
-            uint64_t src = opcode == FMC_OP_WRITE ? local[i] : r->mapped;
-            rc = fmc_cuda_copy(dst, src, (size_t)lens[i], local_dev[i] >= 0 ? local_dev[i] : r->dev);
+            int dev = r->dev, j = i;
+            for (; j < n && rc == FMC_OK; j++) {
+                const fmc_sh_route *q = &routes[j];
+                if (lens[j] == 0)
+                    continue;
+                if (q->dev != dev || q->slot != r->slot || q->gen != r->gen)
+                    break;
+                uint64_t dst = opcode == FMC_OP_WRITE ? q->mapped : local[j];
+                uint64_t src = opcode == FMC_OP_WRITE ? local[j] : q->mapped;
+                rc = fmc_cuda_copy_async(dst, src, (size_t)lens[j], dev);
+            }
+            int waited = fmc_cuda_wait(dev);
             atomic_store(busy, 0);
-            if (rc != FMC_OK) {
+            if (rc != FMC_OK || waited != FMC_OK) {
                 fmc_set_error("CUDA IPC copy with pid %d failed", p->sh_pid);
                 return FMC_ERR_SOCKET;
             }
-            i++;
+            i = j;
             continue;
         }
         /* Gather consecutive host tasks of the same region into one syscall (up to SH_CHUNK). */
