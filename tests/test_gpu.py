@@ -95,3 +95,28 @@ def test_same_host_gpu_copies_bypass_the_network(gpu_pair, request):
         assert served == 0
     else:
         assert served == 8 << 20
+
+
+@pytest.mark.skipif(_COUNT < 2, reason=f"needs two CUDA devices on one host, this machine has {_COUNT}")
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("size", [4096, (1 << 20) + 7, 64 << 20])
+def test_prefill_on_one_gpu_decode_on_another(transport, size):
+    """GPU 0 -> GPU 1 of one host (issue 7): CUDA IPC with peer access, or staging over TCP."""
+    node = NodeProcess(regions=[4096])
+    node.call("add_region", size=64 << 20, device=1)
+    eng = TransferEngine(transfer_timeout=30.0, transport=transport)
+    src = DeviceBuffer(64 << 20, 0)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(src.addr, src.size) == 0
+        remote = _region_addr(node, 1)
+        digest = src.fill_random(0, size)
+        assert eng.transfer_sync_write(node.session, src.addr, remote, size) == 0
+        assert node.call("digest", region=1, offset=0, length=size)["digest"] == digest
+        digest = node.call("fill", region=1, offset=0, length=size)["digest"]
+        assert eng.transfer_sync_read(node.session, src.addr, remote, size) == 0
+        assert src.digest(0, size) == digest
+    finally:
+        eng.close()
+        node.close()
+        src.close()
