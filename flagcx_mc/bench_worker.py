@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from .node import NodeProcess
+from .node import NodeProcess, serve_json_lines
 
 __all__ = ["WorkerProcess", "MEMORY_KINDS"]
 
@@ -207,23 +207,7 @@ _COMMANDS = frozenset({"init", "fill", "set", "digest", "run", "latency", "exit"
 
 
 def _serve() -> None:
-    worker = _Worker()
-    out = sys.stdout
-    sys.stdout = sys.stderr  # only answers go to the real stdout
-    for line in sys.stdin:
-        try:
-            msg = json.loads(line)
-            cmd = msg.pop("cmd")
-            if cmd not in _COMMANDS:
-                raise ValueError(f"unknown command {cmd!r}")
-            reply = getattr(worker, cmd)(**msg)
-        except Exception as exc:  # the answer carries it; the parent decides
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-            cmd = None
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-        if cmd == "exit":
-            return
+    serve_json_lines(_Worker(), _COMMANDS)
 
 
 class WorkerProcess(NodeProcess):

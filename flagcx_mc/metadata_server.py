@@ -38,6 +38,7 @@ import sys
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from ._net import bind_listener, peer_name
 from . import _http
 from .errors import DnsError, EndpointError, EngineStateError, InvalidArgumentError
 from .netaddr import format_host_port
@@ -160,7 +161,7 @@ class MetadataServer:
         family, stype, proto, _, addr = infos[0]
         where = format_host_port(self._host, self._requested_port)
         try:
-            sock = _bind_listener(family, stype, proto, (addr[0], self._requested_port, *addr[2:]))
+            sock = bind_listener(family, stype, proto, (addr[0], self._requested_port, *addr[2:]), _LISTEN_BACKLOG)
         except OSError as exc:
             raise EndpointError(f"cannot bind metadata server to {where}: {exc}") from None
         try:
@@ -200,7 +201,7 @@ class MetadataServer:
         task = asyncio.current_task()
         assert task is not None
         if self._closed or len(self._conns) >= self._max_connections:
-            _log.warning("metadata server: refusing %s: %d connections open", _peer(writer), len(self._conns))
+            _log.warning("metadata server: refusing %s: %d connections open", peer_name(writer), len(self._conns))
             writer.transport.abort()
             writer.close()
             return
@@ -210,7 +211,7 @@ class MetadataServer:
         except asyncio.CancelledError:
             pass  # close() cancels us; end quietly
         except Exception:  # noqa: BLE001 - one client's failure never reaches the loop
-            _log.exception("metadata server: connection from %s failed", _peer(writer))
+            _log.exception("metadata server: connection from %s failed", peer_name(writer))
         finally:
             self._conns.discard(task)
             await _http.close_writer(writer)
@@ -247,7 +248,7 @@ class MetadataServer:
             if expect and expect != ["100-continue"]:
                 raise _http.HttpViolation(f"cannot meet expectation {head.get('expect')!r}", 417)
         except _http.HttpViolation as exc:
-            _log.info("metadata server: bad request from %s: %s", _peer(writer), exc)
+            _log.info("metadata server: bad request from %s: %s", peer_name(writer), exc)
             await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
             return False
         connection = head.tokens("connection")
@@ -360,28 +361,6 @@ class MetadataServer:
         except (OSError, asyncio.TimeoutError):
             return False
         return True
-
-
-def _bind_listener(family: int, stype: int, proto: int, addr: tuple[Any, ...]) -> socket.socket:
-    sock = socket.socket(family, stype, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(addr)
-        sock.listen(_LISTEN_BACKLOG)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _peer(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return format_host_port(str(peer[0]), peer[1])
-    return str(peer)
 
 
 # --- command line --------------------------------------------------------------------------

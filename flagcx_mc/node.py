@@ -138,17 +138,24 @@ def _serve() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-    node = _Node()
+    serve_json_lines(_Node(), _COMMANDS)
+
+
+def serve_json_lines(handler: Any, commands: frozenset) -> None:
+    """Answer one JSON command per stdin line with one JSON line on stdout, until ``exit``.
+
+    A command is a method of ``handler`` named in ``commands``; its keyword arguments are the
+    message's other keys.  Errors become ``{"error": ...}`` replies (the parent decides)."""
     out = sys.stdout
     sys.stdout = sys.stderr  # only replies go to the real stdout
     for line in sys.stdin:
         try:
             msg = json.loads(line)
             cmd = msg.pop("cmd")
-            if cmd not in _COMMANDS:
+            if cmd not in commands:
                 raise ValueError(f"unknown command {cmd!r}")
-            reply = getattr(node, cmd)(**msg)
-        except Exception as exc:  # the reply carries it; the parent decides
+            reply = getattr(handler, cmd)(**msg)
+        except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
             cmd = None
         out.write(json.dumps(reply) + "\n")

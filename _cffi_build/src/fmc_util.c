@@ -183,6 +183,22 @@ int fmc_send_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
+/* Skip the n bytes a partial sendmsg took. */
+static void iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
+{
+    struct iovec *iov = *iovp;
+    while (*iovcnt > 0 && n >= iov->iov_len) {
+        n -= iov->iov_len;
+        iov++;
+        (*iovcnt)--;
+    }
+    if (*iovcnt > 0 && n) {
+        iov->iov_base = (uint8_t *)iov->iov_base + n;
+        iov->iov_len -= n;
+    }
+    *iovp = iov;
+}
+
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt)
 {
     struct msghdr msg;
@@ -196,16 +212,7 @@ int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt)
                 continue;
             return -1;
         }
-        size_t left = (size_t)n;
-        while (iovcnt > 0 && left >= iov->iov_len) {
-            left -= iov->iov_len;
-            iov++;
-            iovcnt--;
-        }
-        if (iovcnt > 0 && left) {
-            iov->iov_base = (uint8_t *)iov->iov_base + left;
-            iov->iov_len -= left;
-        }
+        iov_advance(&iov, &iovcnt, (size_t)n);
     }
     return 0;
 }
@@ -229,16 +236,7 @@ int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_m
                 return left <= 0 ? -2 : -1;
             continue;
         }
-        size_t left = (size_t)n;
-        while (iovcnt > 0 && left >= iov->iov_len) {
-            left -= iov->iov_len;
-            iov++;
-            iovcnt--;
-        }
-        if (iovcnt > 0 && left) {
-            iov->iov_base = (uint8_t *)iov->iov_base + left;
-            iov->iov_len -= left;
-        }
+        iov_advance(&iov, &iovcnt, (size_t)n);
     }
     return 0;
 }

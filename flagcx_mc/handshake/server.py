@@ -15,6 +15,7 @@ import random
 import socket
 from typing import Any, Awaitable, Callable, Mapping
 
+from .._net import bind_listener, peer_name
 from ..errors import (
     DnsError,
     EndpointError,
@@ -125,7 +126,7 @@ class HandshakeServer:
         last: OSError | None = None
         for candidate in candidates:
             try:
-                sock = _bind_listener(family, stype, proto, (addr[0], candidate, *addr[2:]))
+                sock = bind_listener(family, stype, proto, (addr[0], candidate, *addr[2:]), LISTEN_BACKLOG)
                 break
             except OSError as exc:
                 last = exc
@@ -168,7 +169,7 @@ class HandshakeServer:
         if self._closed or len(self._conns) >= self._max_connections:
             _log.warning(
                 "handshake: refusing %s: %d connections already open",
-                _peer(writer),
+                peer_name(writer),
                 len(self._conns),
             )
             writer.transport.abort()
@@ -180,7 +181,7 @@ class HandshakeServer:
         except asyncio.CancelledError:
             pass  # close() cancels us; end quietly so the loop logs nothing
         except Exception:  # noqa: BLE001 - never let one peer's failure reach the loop
-            _log.exception("handshake: connection from %s failed", _peer(writer))
+            _log.exception("handshake: connection from %s failed", peer_name(writer))
         finally:
             self._conns.discard(task)
             await _close_writer(writer)
@@ -199,26 +200,26 @@ class HandshakeServer:
                 data = await asyncio.wait_for(reader.read(_READ_CHUNK), remaining)
             except asyncio.TimeoutError:
                 state = "mid-frame" if decoder.has_partial else "idle"
-                _log.info("handshake: closing %s connection from %s", state, _peer(writer))
+                _log.info("handshake: closing %s connection from %s", state, peer_name(writer))
                 return
             except OSError as exc:
-                _log.info("handshake: connection from %s lost: %s", _peer(writer), exc)
+                _log.info("handshake: connection from %s lost: %s", peer_name(writer), exc)
                 return
             if not data:
                 if decoder.has_partial:
-                    _log.warning("handshake: %s closed mid-frame", _peer(writer))
+                    _log.warning("handshake: %s closed mid-frame", peer_name(writer))
                 return
             try:
                 messages = decoder.feed(data)
             except (RemoteProtocolError, MalformedJsonError) as exc:
-                _log.warning("handshake: dropping %s: %s", _peer(writer), exc)
+                _log.warning("handshake: dropping %s: %s", peer_name(writer), exc)
                 return
             for message in messages:
                 writer.write(await self._reply(message))
                 try:
                     await asyncio.wait_for(writer.drain(), self._read_timeout)
                 except (OSError, asyncio.TimeoutError) as exc:
-                    _log.info("handshake: cannot reply to %s: %r", _peer(writer), exc)
+                    _log.info("handshake: cannot reply to %s: %r", peer_name(writer), exc)
                     return
             if messages:
                 deadline = loop.time() + self._read_timeout
@@ -332,28 +333,6 @@ async def _connect_any(infos: list[Any], where: str) -> socket.socket:
             sock.close()
             raise
     raise PeerConnectionError(f"cannot connect to {where}: {last}")
-
-
-def _bind_listener(family: int, stype: int, proto: int, addr: tuple[Any, ...]) -> socket.socket:
-    sock = socket.socket(family, stype, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(addr)
-        sock.listen(LISTEN_BACKLOG)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _peer(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return format_host_port(str(peer[0]), peer[1])
-    return str(peer)
 
 
 async def _close_writer(writer: asyncio.StreamWriter) -> None:
