@@ -8,7 +8,12 @@ import time
 import pytest
 import uvloop
 
-pytest_plugins = ["servers"]  # tests/servers.py: redis-server and friends
+# Engines in these tests use the TCP data plane unless a test asks for the same-host path (see
+# test_same_host.py); child processes inherit it.  Without this, every peer on this machine would
+# be reached with process_vm_writev and the network code would go untested.
+os.environ.setdefault("FLAGCX_MC_TRANSPORT", "tcp")
+
+pytest_plugins = ["servers", "netns"]  # tests/servers.py: redis-server and friends; tests/netns.py: hosts
 
 
 def pytest_asyncio_loop_factories(config, item):
