@@ -337,12 +337,9 @@ def test_listeners_bind_only_the_given_address(make_network):
         node.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine gap: data connections have no TCP keepalive, TCP_USER_TIMEOUT or idle timeout, so when "
-    "an initiator's machine dies (no FIN/RST ever arrives) the target keeps their fds, threads and "
-    "read buffers forever; checked through the kernel's timers, so a keepalive/user-timeout fix "
-    "turns this test green"))
 def test_a_crashed_initiator_hosts_connections_are_eventually_reaped(make_network):
+    """A host that vanishes (no FIN, no RST) leaves connections the kernel keeps probing
+    (keepalive, user timeout), so they end instead of holding fds and threads forever."""
     net = make_network(2)
     peer_host, target_host = net.hosts
     target = target_host.node(regions=[MIB])

@@ -126,6 +126,7 @@ int fmc_range_writable(uint64_t addr, uint64_t len);
 /* ---------------------------------------------------------------- server (fmc_server.c) */
 typedef struct fmc_server_conn {
     int fd;
+    int64_t last_active_ms;  /* last request (or the accept); read by the accept thread */
     fmc_region *pins[FMC_MAX_PINS]; /* guarded by engine->mu */
     int npins;
     struct fmc_server_conn *prev, *next;

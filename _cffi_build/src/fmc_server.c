@@ -227,6 +227,7 @@ static void serve_mooncake(conn_state *cs)
             set_recv_timeout(cs->c->fd, 0);
         first = 0;
         const uint8_t *p = cs->rd.buf + cs->rd.start;
+        __atomic_store_n(&cs->c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
         uint64_t size = fmc_get64(p), addr = fmc_get64(p + 8);
         int v2 = (p[16] & FMC_MC_V2_FLAG) != 0, op = p[16] & 0x7f;
         cs->rd.start += FMC_MC_HDR_SIZE;
@@ -315,6 +316,7 @@ static void serve(conn_state *cs)
         fmc_req q;
         fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
         cs->rd.start += FMC_REQ_SIZE;
+        __atomic_store_n(&cs->c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
         if ((q.opcode != FMC_WIRE_OP_WRITE && q.opcode != FMC_WIRE_OP_READ) || q.len == 0 ||
             q.len > FMC_MAX_WIRE_LEN) {
             e->stat_protocol_errors++;
@@ -394,6 +396,30 @@ static void *conn_main(void *arg)
     return NULL;
 }
 
+/* At the connection cap, the connection idle the longest (and at least FMC_EVICT_IDLE_MS) makes
+ * room: a flood of silent connections cannot lock real initiators out, it only makes the idlest
+ * ones reconnect.  Caller holds e->mu; the evicted thread cleans up as after any disconnect. */
+#define FMC_EVICT_IDLE_MS 500
+#define FMC_EVICTION_SLACK 64
+static void evict_idlest_locked(fmc_engine *e)
+{
+    int64_t now = fmc_now_ms();
+    fmc_server_conn *victim = NULL;
+    int64_t oldest = now - FMC_EVICT_IDLE_MS;
+    for (fmc_server_conn *sc = e->conns; sc; sc = sc->next) {
+        int64_t t = __atomic_load_n(&sc->last_active_ms, __ATOMIC_RELAXED);
+        if (t <= oldest && sc->npins == 0) {
+            oldest = t;
+            victim = sc;
+        }
+    }
+    if (victim) {
+        __atomic_store_n(&victim->last_active_ms, now, __ATOMIC_RELAXED); /* do not pick it twice */
+        shutdown(victim->fd, SHUT_RDWR);
+        fmc_engine_log(e, "connection cap reached: closed the longest idle data connection");
+    }
+}
+
 static void start_conn(fmc_engine *e, int fd)
 {
     conn_state *cs = calloc(1, sizeof *cs);
@@ -410,7 +436,10 @@ static void start_conn(fmc_engine *e, int fd)
     cs->e = e;
     cs->c = c;
     pthread_mutex_lock(&e->mu);
-    if (e->stopping || e->nconns >= FMC_MAX_SERVER_CONNS) {
+    __atomic_store_n(&c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
+    if (!e->stopping && e->nconns >= FMC_MAX_SERVER_CONNS)
+        evict_idlest_locked(e);
+    if (e->stopping || e->nconns >= FMC_MAX_SERVER_CONNS + FMC_EVICTION_SLACK) {
         pthread_mutex_unlock(&e->mu);
         fmc_engine_log(e, "refused a data connection: %s", e->stopping ? "engine closing" : "too many connections");
         fmc_reader_free(&cs->rd);

@@ -1,6 +1,6 @@
 """The AddressSanitizer + LeakSanitizer run of the C core (tests/asan/run_asan.sh) as a test.
 
-Skipped unless ``FLAGCX_MC_RUN_ASAN=1``: it rebuilds the core with the sanitizer in a temporary
+Runs in CI (``CI=true``) or with ``FLAGCX_MC_RUN_ASAN=1``, skipped otherwise: it rebuilds the core with the sanitizer in a temporary
 directory and runs tests/test_core.py and tests/test_transfers.py against that build (about
 15-60 s).  The same check by hand: ``tests/asan/run_asan.sh`` from the repository root.
 """
@@ -19,8 +19,9 @@ SCRIPT = Path(__file__).with_name("run_asan.sh")
 ROOT = SCRIPT.parents[2]
 
 
-@pytest.mark.skipif(os.environ.get("FLAGCX_MC_RUN_ASAN") != "1",
-                    reason="set FLAGCX_MC_RUN_ASAN=1 to build the core with AddressSanitizer and check it for leaks")
+@pytest.mark.skipif(os.environ.get("FLAGCX_MC_RUN_ASAN") != "1" and os.environ.get("CI") != "true",
+                    reason="set FLAGCX_MC_RUN_ASAN=1 to build the core with AddressSanitizer and check it for leaks "
+                           "(CI runs it)")
 def test_core_has_no_leak_or_memory_error_under_the_sanitizer():
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed")
