@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -10,7 +11,12 @@ import time
 
 import pytest
 
+import flagcx_mc
+
 HOST = "127.0.0.1"
+# Child Pythons started by tests run here, so `-m flagcx_mc...` / `-c` import the same flagcx_mc
+# as the tests (the installed one), not a source tree without the compiled core.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(flagcx_mc.__file__)))
 REDIS_PASSWORD = "s3cret"
 _HAVE_REDIS_PACKAGE = importlib.util.find_spec("redis") is not None
 _REDIS_SERVER = shutil.which("redis-server")

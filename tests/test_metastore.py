@@ -45,7 +45,7 @@ from flagcx_mc.metastore import (
     segment_key,
 )
 
-from servers import free_port  # noqa: E402
+from servers import PACKAGE_PARENT, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,7 +488,7 @@ def _start_server_process(*args: str) -> tuple[subprocess.Popen, int]:
     env = {k: v for k, v in os.environ.items() if k != "MC_METADATA_HTTP_TOKEN"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "flagcx_mc.metadata_server", "--host", HOST, "--port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=PACKAGE_PARENT, env=env,
     )
     ready, _, _ = select.select([proc.stdout], [], [], 15)
     line = proc.stdout.readline() if ready else b""
@@ -530,7 +530,7 @@ def test_server_command_port_in_use():
         busy.listen()
         proc = subprocess.run(
             [sys.executable, "-m", "flagcx_mc.metadata_server", "--host", HOST, "--port", str(busy.getsockname()[1])],
-            capture_output=True, text=True, cwd=ROOT, timeout=20,
+            capture_output=True, text=True, cwd=PACKAGE_PARENT, timeout=20,
         )
     assert proc.returncode == 1 and "cannot bind" in proc.stderr and proc.stdout == ""
 
