@@ -53,6 +53,9 @@ async def _demo(shapes: List[tuple], repeat: int, streams: int) -> List[DemoResu
             await engine.transfer_sync_write(node.session, local.addr, node.addr(0), 1)
             await asyncio.to_thread(node.call, "transfer", op="write", target=engine.session_name,
                                     items=[[0, 0, local.addr, 1]])
+            same_host = (await engine.get_conn(node.session)).peer.same_host
+            print("transport:", "same host (process_vm_writev/readv)" if same_host else "native TCP",
+                  "- set FLAGCX_MC_TRANSPORT=tcp or =same-host to choose")
             for block, count in shapes:
                 total = block * count
                 locals_ = [local.addr + i * block for i in range(count)]
