@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -171,6 +172,25 @@ static uint32_t random_key(void)
     return k;
 }
 
+/* Remote writes into pages never touched run many times slower (each first touch is a page fault
+ * in the receiving thread).  Ask for transparent huge pages and fault the region in now, both
+ * best effort (older kernels lack MADV_POPULATE_WRITE; FLAGCX_MC_PREFAULT=0 skips it). */
+static void prepare_host_memory(uint64_t addr, uint64_t len)
+{
+    const char *env = getenv("FLAGCX_MC_PREFAULT");
+    if (env && strcmp(env, "0") == 0)
+        return;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t start = addr & ~(page - 1), end = (addr + len + page - 1) & ~(page - 1);
+#ifdef MADV_HUGEPAGE
+    madvise((void *)(uintptr_t)start, (size_t)(end - start), MADV_HUGEPAGE);
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    madvise((void *)(uintptr_t)start, (size_t)(end - start), MADV_POPULATE_WRITE);
+}
+
 int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
 {
     if (addr == 0 || len == 0 || addr + len < addr) {
@@ -192,6 +212,8 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         else if (rc != FMC_OK)
             return rc;
     }
+    if (dev < 0 && writable)
+        prepare_host_memory(addr, len);
     uint32_t key = random_key();
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
