@@ -8,7 +8,7 @@ from typing import Any
 
 from .netaddr import format_host_port
 
-__all__ = ["bind_listener", "peer_name"]
+__all__ = ["bind_listener", "peer_name", "close_server"]
 
 
 def bind_listener(family: int, stype: int, proto: int, addr: tuple[Any, ...], backlog: int) -> socket.socket:
@@ -33,3 +33,16 @@ def peer_name(writer: asyncio.StreamWriter) -> str:
     if isinstance(peer, tuple) and len(peer) >= 2:
         return format_host_port(str(peer[0]), peer[1])
     return str(peer)
+
+
+async def close_server(server: "asyncio.AbstractServer | None", conns: "set[asyncio.Task[Any]]") -> None:
+    """Stop listening, cancel every connection task and wait for them, then for the server."""
+    if server is not None:
+        server.close()
+    tasks = list(conns)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if server is not None:
+        await server.wait_closed()

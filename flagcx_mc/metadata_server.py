@@ -38,7 +38,7 @@ import sys
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ._net import bind_listener, peer_name
+from ._net import bind_listener, close_server, peer_name
 from . import _http
 from .errors import DnsError, EndpointError, EngineStateError, InvalidArgumentError
 from .netaddr import format_host_port
@@ -177,15 +177,7 @@ class MetadataServer:
         """Stop listening, drop every connection and wait for their tasks. Idempotent."""
         self._closed = True
         server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        tasks = list(self._conns)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if server is not None:
-            await server.wait_closed()
+        await close_server(server, self._conns)
 
     async def __aenter__(self) -> "MetadataServer":
         if self._server is None:

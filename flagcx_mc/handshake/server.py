@@ -15,7 +15,7 @@ import random
 import socket
 from typing import Any, Awaitable, Callable, Mapping
 
-from .._net import bind_listener, peer_name
+from .._net import bind_listener, close_server, peer_name
 from ..errors import (
     DnsError,
     EndpointError,
@@ -147,15 +147,7 @@ class HandshakeServer:
         """Stop listening, drop every live connection and wait for their tasks."""
         self._closed = True
         server, self._server = self._server, None
-        if server is not None:
-            server.close()
-        tasks = list(self._conns)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if server is not None:
-            await server.wait_closed()
+        await close_server(server, self._conns)
 
     async def __aenter__(self) -> "HandshakeServer":
         return self
