@@ -385,11 +385,11 @@ class AsyncTransferEngine:
     async def _submit(self, target: str, req: TransferRequest) -> int:
         sessions = self._require_sessions()
         session = await sessions.get(target)
-        try:
-            batch = req.submit(session)
+        try:  # off the loop: on one host the copy happens inside submit
+            batch = await self._in_executor(req.submit, session)
         except errors.AddressNotRegisteredError:
             session = await sessions.refresh(target, session)
-            batch = req.submit(session)
+            batch = await self._in_executor(req.submit, session)
         deadline = time.monotonic() + self._config.timeout_for(req.total_bytes)
         return self._batches.add(PendingBatch(batch, target, deadline))
 
@@ -438,18 +438,19 @@ class AsyncTransferEngine:
     async def write_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
                            sizes: Sequence[int]) -> int:
         """Start writes of ``sizes[i]`` bytes from ``local_addrs[i]`` to ``descs[i]``; returns a transfer id."""
-        return self._vector(OP_WRITE, conn, local_addrs, descs, sizes)
+        return await self._vector(OP_WRITE, conn, local_addrs, descs, sizes)
 
     async def read_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
                           sizes: Sequence[int]) -> int:
-        return self._vector(OP_READ, conn, local_addrs, descs, sizes)
+        return await self._vector(OP_READ, conn, local_addrs, descs, sizes)
 
-    def _vector(self, op: int, conn: Session, local_addrs, descs, sizes) -> int:
+    async def _vector(self, op: int, conn: Session, local_addrs, descs, sizes) -> int:
         if len(descs) != len(sizes) or any(s > d.size for d, s in zip(descs, sizes)):
             raise errors.InvalidArgumentError("each size must be at most its descriptor's size")
         req = TransferRequest.build(op, local_addrs, [d.addr for d in descs], sizes)
         deadline = time.monotonic() + self._config.timeout_for(req.total_bytes)
-        return self._batches.add(PendingBatch(req.submit(conn), conn.name, deadline))
+        batch = await self._in_executor(req.submit, conn)
+        return self._batches.add(PendingBatch(batch, conn.name, deadline))
 
     async def xfer_status(self, xfer_id: int) -> int:
         """1 done, 0 in progress; raises on failure (FlagCX's XferStatus)."""

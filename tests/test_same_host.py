@@ -139,3 +139,30 @@ async def test_transport_tcp_keeps_the_network_path(node, local_buf):
         await eng.transfer_sync_write(node.session, local_buf.addr, node.addr(1), 1 << 20)
         assert node.call("digest", region=1)["digest"] == digest
         assert not eng._sessions.peek(node.session).peer.same_host
+
+
+def test_many_threads_same_host(sh_node):
+    """vLLM's pattern (10 threads, one session) on the same-host path: every byte where it belongs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flagcx_mc import TransferEngine
+
+    eng = TransferEngine(transfer_timeout=10.0, transport="same-host")
+    buf = HostBuffer(40 << 20)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        buf.fill_random()
+        block = 4 << 20
+
+        def worker(t):
+            return [eng.transfer_sync_write(sh_node.session, buf.addr + t * block, sh_node.addr(0, t * block), block)
+                    for _ in range(5)]
+
+        with ThreadPoolExecutor(10) as pool:
+            assert list(pool.map(worker, range(10))) == [[0] * 5] * 10
+        assert sh_node.call("digest", region=0, offset=0, length=10 * block)["digest"] == buf.digest(0, 10 * block)
+        assert eng._engine._sessions.peek(sh_node.session).peer.same_host
+    finally:
+        eng.close()
+        buf.close()

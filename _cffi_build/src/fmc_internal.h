@@ -236,6 +236,7 @@ struct fmc_peer {
     int r_count;
     fmc_sh_ctrl *sh;          /* mapped control block of a same-host peer, else NULL */
     int sh_pid, sh_index;
+    pthread_mutex_t sh_mu;    /* one same-host copy at a time: the busy word is one per peer */
     int connected, closed;
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */

@@ -216,8 +216,24 @@ static int enter(fmc_sh_ctrl *c, _Atomic uint64_t *busy, const fmc_sh_route *r, 
 
 /* Copy every task in the calling thread: host regions with process_vm_writev/readv (consecutive
  * tasks of one region in one syscall), GPU regions with cuMemcpy through their IPC mapping. */
+static int sh_transfer_locked(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                              const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes,
+                              int64_t deadline_ms);
+
+/* The peer has one busy word in the target's control block, so copies to one peer take turns:
+ * two threads sharing the word could hide each other's copy from unregister. */
 int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                     const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms)
+{
+    pthread_mutex_lock(&p->sh_mu);
+    int rc = sh_transfer_locked(p, opcode, n, local, remote, lens, local_dev, routes, deadline_ms);
+    pthread_mutex_unlock(&p->sh_mu);
+    return rc;
+}
+
+static int sh_transfer_locked(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                              const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes,
+                              int64_t deadline_ms)
 {
     fmc_sh_ctrl *c = p->sh;
     _Atomic uint64_t *busy = &c->busy[p->sh_index];
