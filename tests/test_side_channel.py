@@ -209,6 +209,33 @@ async def test_sync_mooncake_style_engine_behind_the_sender(engines):
         await asyncio.to_thread(sync.close)
 
 
+def _real_mooncake():
+    try:
+        os.environ.setdefault("MC_FORCE_TCP", "1")
+        from mooncake.engine import TransferEngine as MooncakeEngine
+    except Exception as exc:  # the wheel, or libibverbs1 for its import, is missing
+        pytest.skip(f"Mooncake's wheel is not importable here: {exc}")
+    return MooncakeEngine
+
+
+async def test_real_mooncake_engine_behind_the_sender(engines):
+    """The engine is passed in: Mooncake's own engine on the prefill side works as well (it
+    writes into our decode engine in Mooncake's TCP framing)."""
+    MooncakeEngine = _real_mooncake()
+    _, de = engines
+    src, dst = KV(5), KV(6)
+    mc = MooncakeEngine()
+    assert await asyncio.to_thread(mc.initialize, "127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert await asyncio.to_thread(mc.batch_register_memory, *src.layout.spans()) == 0
+    async with registered(de, dst), KVSender(mc, src.layout) as sender, \
+            KVReceiver(de.session_name, dst.layout, ttl=5.0, grace=2.0) as receiver:
+        endpoint = await sender.start()
+        sender.publish("m", [[0, 1, 2, 3]])
+        out = await receiver.fetch(endpoint, {"m": [[20, 21, 22, 23]]})
+        assert out["m"].ok, out["m"].reason
+        assert dst.digest([20, 21, 22, 23]) == src.digest([0, 1, 2, 3])
+
+
 async def test_different_tp_sizes_prefill_tp2_to_decode_tp1(engines):
     pe, de = engines
     split = HeadSplit(num_heads=4, block_size=4, head_bytes=32 * 2)  # HND blocks [heads, 4 tokens, 32 x u16]
