@@ -70,6 +70,8 @@ int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32
                               const uint32_t *gens, int n);
 int fmc_peer_enable_same_host(fmc_peer *peer, int pid, int ctrl_fd, uint64_t ctrl_addr);
 int fmc_peer_is_same_host(fmc_peer *peer);
+int fmc_peer_set_region_shm(fmc_peer *peer, uint64_t addr, int memfd, uint64_t size);
+int fmc_peer_shared_region_count(fmc_peer *peer);
 int fmc_peer_set_region_ipc(fmc_peer *peer, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);

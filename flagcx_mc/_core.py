@@ -224,6 +224,15 @@ class CorePeer:
     def same_host(self) -> bool:
         return bool(lib.fmc_peer_is_same_host(self._ptr))
 
+    def set_region_shm(self, addr: int, memfd: int, size: int) -> None:
+        """A remote region backed by a memfd the peer shares: map it here (same host only)."""
+        _raise_for(lib.fmc_peer_set_region_shm(self._ptr, addr, memfd, size))
+
+    @property
+    def shared_regions(self) -> int:
+        """How many of the peer's regions are mapped here (copied into with memcpy)."""
+        return int(lib.fmc_peer_shared_region_count(self._ptr))
+
     def set_region_ipc(self, addr: int, device: int, handle: bytes, alloc_base: int) -> None:
         """A remote GPU region: remember it is GPU memory and, same host, map it with CUDA IPC."""
         _raise_for(lib.fmc_peer_set_region_ipc(self._ptr, addr, handle, alloc_base, device))

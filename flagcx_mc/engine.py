@@ -132,7 +132,7 @@ class AsyncTransferEngine:
             secret = self._config.secret
             if secret is not None:
                 self._core.set_secret(secret)
-            self._segment = LocalSegment(self._core, self._notifies)
+            self._segment = LocalSegment(self._core, self._notifies, self._shared_mappings)
             self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret))
             self._rpc_port = await self._server.start(host, None)
             self._host = host
@@ -519,6 +519,9 @@ class AsyncTransferEngine:
         self._require_core()
         assert self._sessions is not None
         return self._sessions
+
+    def _shared_mappings(self) -> dict:
+        return self._managed.shared_mappings() if self._managed is not None else {}
 
     async def _republish(self) -> None:
         """With a metadata server, peers read our regions from it: keep it current."""

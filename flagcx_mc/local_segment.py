@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Deque, Dict
+from typing import Callable, Deque, Dict
 
 from . import errors
 from ._core import CoreEngine
@@ -28,8 +28,10 @@ def boot_id() -> str:
 class LocalSegment:
     """Builds the segment descriptor from the core's registry; serves Metadata/Probe/Notify."""
 
-    def __init__(self, core: CoreEngine, notifies: Deque[TransferNotify]) -> None:
+    def __init__(self, core: CoreEngine, notifies: Deque[TransferNotify],
+                 shared_mappings: Callable[[], Dict[int, tuple]] = dict) -> None:
         self._core = core
+        self._shared_mappings = shared_mappings  # managed memory same-host peers may map
         self._notifies = notifies
         self._boot_id = boot_id()
         self._ipc_cache: dict = {}  # addr -> (device, handle hex, allocation base) or None
@@ -38,6 +40,7 @@ class LocalSegment:
     def desc(self) -> SegmentDesc:
         table = self._core.region_table()
         slots = self._core.region_slots()
+        shared = self._shared_mappings()
         if len(slots) != len(table):  # registry changed between the two reads: no same-host hints
             slots = [(-1, 0)] * len(table)
         return SegmentDesc(
@@ -49,7 +52,8 @@ class LocalSegment:
             native=NativeInfo(
                 version=NATIVE_VERSION,
                 data_port=self._core.data_port,
-                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._cuda(a))
+                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._cuda(a),
+                                         shm=shared.get(a) if shared.get(a, (0, -1))[1] == n else None)
                               for (a, n, k), (sl, g) in zip(table, slots)),
                 boot_id=self._boot_id,
                 pid=os.getpid(),

@@ -104,6 +104,11 @@ class ManagedPool:
             else:
                 self._free.setdefault(size, []).append(addr)
 
+    def shared_mappings(self) -> Dict[int, tuple]:
+        """Region start -> (memfd number, size) of every mapping: same-host peers map these."""
+        with self._lock:
+            return {m.addr: (m.fd, m.size) for m in list(self._dedicated.values()) + self._chunks}
+
     def block_size(self, addr: int) -> int:
         """Usable size of a live block (0 if ``addr`` is not one)."""
         with self._lock:

@@ -56,6 +56,7 @@ class RegionDesc:
     slot: int = -1  # same-host control slot (-1: none), with its generation
     gen: int = 0
     cuda: tuple | None = None  # GPU memory: (device, CUDA IPC handle as hex, allocation base)
+    shm: tuple | None = None   # engine-allocated shared memory: (memfd number in `pid`, size)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,13 @@ class NativeInfo:
                 if len(handle) != 128 or any(ch not in "0123456789abcdef" for ch in handle):
                     raise MalformedJsonError(f"{where}.cuda.ipc: not a 64-byte hex handle")
                 cuda = (_req_uint(c, "dev", f"{where}.cuda", bound=1024), handle, _req_uint(c, "base", f"{where}.cuda"))
-            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32), slot, gen, cuda))
+            shm = None
+            if "shm" in r:
+                m = _as_object(r["shm"], f"{where}.shm")
+                shm = (_req_uint(m, "fd", f"{where}.shm", bound=1 << 31), _req_uint(m, "size", f"{where}.shm"))
+                if shm[1] != length:
+                    raise MalformedJsonError(f"{where}.shm: size differs from the region's length")
+            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32), slot, gen, cuda, shm))
         return cls(
             version=_req_uint(obj, "version", NATIVE_KEY),
             data_port=_req_port(obj, "data_port", NATIVE_KEY),
@@ -127,6 +134,8 @@ def _region_json(r: RegionDesc) -> dict[str, Any]:
         out["slot"], out["gen"] = r.slot, r.gen
     if r.cuda is not None:
         out["cuda"] = {"dev": r.cuda[0], "ipc": r.cuda[1], "base": r.cuda[2]}
+    if r.shm is not None:
+        out["shm"] = {"fd": r.shm[0], "size": r.shm[1]}
     return out
 
 

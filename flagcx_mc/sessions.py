@@ -179,6 +179,11 @@ def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
         return
     peer.set_region_slots([(r.addr, r.slot, r.gen) for r in desc.native.regions])
     for r in desc.native.regions:
+        if r.shm is not None and peer.same_host:
+            try:
+                peer.set_region_shm(r.addr, r.shm[0], r.shm[1])
+            except errors.FlagcxMcError as exc:  # then process_vm_writev serves it
+                log.info("cannot map shared region %#x of %s: %s", r.addr, desc.name, exc)
         if r.cuda is not None:
             device, handle, alloc_base = r.cuda
             try:

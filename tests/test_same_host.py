@@ -166,3 +166,35 @@ def test_many_threads_same_host(sh_node):
     finally:
         eng.close()
         buf.close()
+
+
+def test_managed_buffers_are_shared_mappings_on_one_host():
+    """A peer's managed (memfd) memory is mapped here and copied with memcpy; content exact both
+    ways; a freed dedicated buffer is refused afterwards."""
+    from flagcx_mc import TransferEngine
+
+    owner, user = TransferEngine(transport="same-host"), TransferEngine(transport="same-host")
+    buf = HostBuffer(8 << 20)
+    try:
+        assert owner.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert user.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert user.register_memory(buf.addr, buf.size) == 0
+        small, big = owner.allocate_managed_buffer(1 << 20), owner.allocate_managed_buffer(300 << 20)
+        assert small and big
+        for target in (small, big):
+            digest = buf.fill_random(0, 1 << 20)
+            assert user.transfer_sync_write(owner.session_name, buf.addr, target, 1 << 20) == 0
+            import hashlib
+
+            assert hashlib.sha256(owner.read_bytes_from_buffer(target, 1 << 20)).hexdigest() == digest
+            buf.fill(0, 0, 1 << 20)
+            assert user.transfer_sync_read(owner.session_name, buf.addr, target, 1 << 20) == 0
+            assert buf.digest(0, 1 << 20) == digest
+        peer = user._engine._sessions.peek(owner.session_name).peer
+        assert peer.same_host and peer.shared_regions >= 1
+        assert owner.free_managed_buffer(big, 300 << 20) == 0
+        assert user.transfer_sync_write(owner.session_name, buf.addr, big, 4096) == -3
+    finally:
+        user.close()
+        owner.close()
+        buf.close()

@@ -233,6 +233,7 @@ struct fmc_peer {
     int32_t *r_dev;           /* GPU of each remote region (-1: host memory) */
     uint64_t *r_ipc_base;     /* its allocation's base over there, */
     uint64_t *r_ipc_mapped;   /* and where CUDA IPC mapped that allocation here (0: not mapped) */
+    uint64_t *r_shm_mapped;   /* where the peer's shared memfd region is mapped here (0: not) */
     int r_count;
     fmc_sh_ctrl *sh;          /* mapped control block of a same-host peer, else NULL */
     int sh_pid, sh_index;
@@ -256,8 +257,8 @@ void fmc_sh_peer_release(struct fmc_peer *p);
 typedef struct {
     int32_t slot;
     uint32_t gen;
-    int32_t dev;       /* -1: host memory (process_vm_*); else cuMemcpy through the IPC mapping */
-    uint64_t mapped;   /* remote address translated into our IPC mapping */
+    int32_t dev;       /* -1: host memory; >= 0: cuMemcpy through the IPC mapping */
+    uint64_t mapped;   /* remote address translated into our IPC or shared mapping (0: none) */
 } fmc_sh_route;
 int fmc_peer_lookup_routes(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens,
                            const int32_t *local_dev, fmc_sh_route *routes);

@@ -5,6 +5,10 @@
  * call return with its buffers free. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sys/stat.h>
+#include <sys/mman.h>
+#include <stdio.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -435,7 +439,9 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
     }
     int32_t *dv = malloc(sizeof *dv * (size_t)(n ? n : 1));
     uint64_t *ib = calloc((size_t)(n ? n : 1), sizeof *ib), *im = calloc((size_t)(n ? n : 1), sizeof *im);
-    if (!dv || !ib || !im) {
+    uint64_t *sm = calloc((size_t)(n ? n : 1), sizeof *sm);
+    if (!dv || !ib || !im || !sm) {
+        free(sm);
         free(a);
         free(l);
         free(k);
@@ -451,8 +457,18 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
         dv[i] = -1;
     }
     pthread_mutex_lock(&p->mu);
-    /* CUDA IPC mappings of regions that are still there carry over; the others are closed. */
+    /* Shared and CUDA IPC mappings of regions that are still there carry over; the others go. */
     for (int j = 0; j < p->r_count; j++) {
+        if (p->r_shm_mapped && p->r_shm_mapped[j]) {
+            int kept = 0;
+            for (int i = 0; i < n && !kept; i++)
+                if (a[i] == p->r_addr[j] && l[i] == p->r_len[j]) {
+                    sm[i] = p->r_shm_mapped[j];
+                    kept = 1;
+                }
+            if (!kept)
+                munmap((void *)(uintptr_t)p->r_shm_mapped[j], (size_t)p->r_len[j]);
+        }
         if (!p->r_ipc_mapped || !p->r_ipc_mapped[j])
             continue;
         int kept = 0;
@@ -475,6 +491,8 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
     free(p->r_dev);
     free(p->r_ipc_base);
     free(p->r_ipc_mapped);
+    free(p->r_shm_mapped);
+    p->r_shm_mapped = sm;
     p->r_addr = a;
     p->r_len = l;
     p->r_key = k;
@@ -501,6 +519,60 @@ static int index_of_locked(fmc_peer *p, uint64_t addr)
             hi = mid - 1;
     }
     return -1;
+}
+
+/* A remote region the peer backs with a memfd (its managed buffers): map it here, so same-host
+ * copies into it are a plain memcpy (still fenced like every same-host copy). */
+int fmc_peer_set_region_shm(fmc_peer *p, uint64_t addr, int memfd, uint64_t size)
+{
+    pthread_mutex_lock(&p->mu);
+    int i = index_of_locked(p, addr);
+    int ok = i >= 0 && p->r_len[i] == size && p->sh != NULL;
+    int have = ok && p->r_shm_mapped[i];
+    int pid = p->sh_pid;
+    pthread_mutex_unlock(&p->mu);
+    if (!ok) {
+        fmc_set_error("no same-host region of %llu bytes at 0x%llx", (unsigned long long)size, (unsigned long long)addr);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    if (have)
+        return FMC_OK;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, memfd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        fmc_set_error("cannot open %s: %s", path, strerror(errno));
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    struct stat stt;
+    void *m = MAP_FAILED;
+    if (fstat(fd, &stt) == 0 && (uint64_t)stt.st_size >= size)
+        m = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) {
+        fmc_set_error("cannot map the peer's shared region at 0x%llx", (unsigned long long)addr);
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    pthread_mutex_lock(&p->mu);
+    i = index_of_locked(p, addr);
+    if (i >= 0 && p->r_len[i] == size && !p->r_shm_mapped[i]) {
+        p->r_shm_mapped[i] = (uint64_t)(uintptr_t)m;
+        m = NULL;
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (m)
+        munmap(m, (size_t)size);
+    return FMC_OK;
+}
+
+int fmc_peer_shared_region_count(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int n = 0;
+    for (int i = 0; i < p->r_count; i++)
+        n += p->r_shm_mapped[i] != 0;
+    pthread_mutex_unlock(&p->mu);
+    return n;
 }
 
 /* A remote GPU region's CUDA IPC handle: map it here, for same-host copies with cuMemcpy. */
@@ -591,6 +663,8 @@ int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uin
             routes[i].mapped = p->r_ipc_mapped[idx] + (remote[i] - p->r_ipc_base[idx]);
         } else if (p->r_dev[idx] >= 0 || local_dev[i] >= 0) {
             ok = 0;
+        } else if (p->r_shm_mapped[idx]) {
+            routes[i].mapped = p->r_shm_mapped[idx] + (remote[i] - p->r_addr[idx]);
         }
     }
     pthread_mutex_unlock(&p->mu);
@@ -801,9 +875,13 @@ void fmc_peer_release(fmc_peer *p)
     }
     pthread_mutex_destroy(&p->mu);
     fmc_sh_peer_release(p);
-    for (int i = 0; i < p->r_count; i++)
+    for (int i = 0; i < p->r_count; i++) {
         if (p->r_ipc_mapped && p->r_ipc_mapped[i])
             fmc_cuda_ipc_close(p->r_ipc_mapped[i], p->r_dev[i]);
+        if (p->r_shm_mapped && p->r_shm_mapped[i])
+            munmap((void *)(uintptr_t)p->r_shm_mapped[i], (size_t)p->r_len[i]);
+    }
+    free(p->r_shm_mapped);
     free(p->r_dev);
     free(p->r_ipc_base);
     free(p->r_ipc_mapped);

@@ -275,11 +275,33 @@ static int sh_transfer_locked(fmc_peer *p, int opcode, int n, const uint64_t *lo
             i = j;
             continue;
         }
+        if (r->mapped) {
+            /* A region the peer shares with us (its managed memory): plain memcpy, fenced the same. */
+            int rc = enter(c, busy, r, remote[i]);
+            if (rc != FMC_OK)
+                return rc;
+            int j = i;
+            for (; j < n; j++) {
+                const fmc_sh_route *q = &routes[j];
+                if (lens[j] == 0)
+                    continue;
+                if (q->dev >= 0 || !q->mapped || q->slot != r->slot || q->gen != r->gen)
+                    break;
+                if (opcode == FMC_OP_WRITE)
+                    memcpy((void *)(uintptr_t)q->mapped, (const void *)(uintptr_t)local[j], (size_t)lens[j]);
+                else
+                    memcpy((void *)(uintptr_t)local[j], (const void *)(uintptr_t)q->mapped, (size_t)lens[j]);
+            }
+            atomic_store(busy, 0);
+            i = j;
+            continue;
+        }
         /* Gather consecutive host tasks of the same region into one syscall (up to SH_CHUNK). */
         int k = 0, j = i;
         size_t bytes = 0;
         while (j < n && k < SH_IOV && (bytes < SH_CHUNK || k == 0) &&
-               (lens[j] == 0 || (routes[j].dev < 0 && routes[j].slot == r->slot && routes[j].gen == r->gen))) {
+               (lens[j] == 0 || (routes[j].dev < 0 && !routes[j].mapped && routes[j].slot == r->slot &&
+                                 routes[j].gen == r->gen))) {
             if (lens[j]) {
                 liov[k] = (struct iovec){.iov_base = (void *)(uintptr_t)local[j], .iov_len = (size_t)lens[j]};
                 riov[k] = (struct iovec){.iov_base = (void *)(uintptr_t)remote[j], .iov_len = (size_t)lens[j]};
