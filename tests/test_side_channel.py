@@ -546,7 +546,7 @@ async def test_registry_rules():
         t0 = time.monotonic()
         with pytest.raises(RegistryError, match="1 of 2 workers"):
             await lookup_workers(endpoint, "decode", expect=2, timeout=0.3)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0  # bounded (loose: the suite shares 2 cores)
         reply = await ask_raw(endpoint, b"junk")
         assert isinstance(reply, ErrorReply) and "not JSON" in reply.reason
         assert registry.table == {key: "tcp://127.0.0.1:1001"}
