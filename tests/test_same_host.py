@@ -72,37 +72,6 @@ async def test_a_frozen_target_still_receives_same_host_writes(sh_engine, local_
         await asyncio.to_thread(target.close)
 
 
-async def test_unregister_fences_same_host_writers(sh_engine, local_buf):
-    target = await asyncio.to_thread(NodeProcess, regions=[16 << 20])
-    try:
-        local_buf.fill(0x77, 0, 16 << 20)
-        results = []
-        stop = asyncio.Event()
-
-        async def writer():
-            while not stop.is_set():
-                try:
-                    await sh_engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), 16 << 20)
-                    results.append(0)
-                except errors.FlagcxMcError as exc:
-                    results.append(exc.code)
-                    await asyncio.sleep(0.005)
-
-        task = asyncio.ensure_future(writer())
-        while not results:
-            await asyncio.sleep(0.005)
-        assert (await asyncio.to_thread(target.call, "unregister", region=0))["rc"] == 0
-        await asyncio.to_thread(target.call, "set", region=0, byte=0)
-        before = len(results)
-        await asyncio.sleep(0.3)
-        stop.set()
-        await task
-        assert (await asyncio.to_thread(target.call, "count_byte", region=0, byte=0x77))["count"] == 0
-        assert results[0] == 0 and len(results) > before and all(r != 0 for r in results[before:])
-    finally:
-        await asyncio.to_thread(target.close)
-
-
 def test_fallback_to_tcp_when_the_kernel_refuses():
     """A target the kernel does not let us reach (non-dumpable, and we lack CAP_SYS_PTRACE): the
     initiator must fall back to TCP, say why, and still deliver every byte."""

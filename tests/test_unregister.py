@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import asyncio
 
-from flagcx_mc import errors
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, errors
+
+
+@pytest.fixture(params=["tcp", "same-host"])
+async def engine(request, local_buf):
+    """Both ways a byte can reach the target: its data server (TCP), or a same-host copy that
+    the target's control block fences."""
+    async with AsyncTransferEngine(transfer_timeout=10.0, transport=request.param) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, local_buf.size)
+        yield eng
 
 
 async def test_unregister_under_write_traffic(engine, local_buf):
