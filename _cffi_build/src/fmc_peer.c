@@ -144,21 +144,27 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
         return 0;
     if (fmc_staging_reserve(&st->send_stage, need) != 0)
         return -1;
+    /* Queue every copy of the round on the devices' streams, then wait once per device used. */
     size_t off = 0;
+    int rc = 0;
+    uint64_t devices = 0; /* bit per GPU ordinal < 64 that got copies */
     for (int i = 0, v = 0; v < niov && i < nw; v++) {
         fmc_slice *s = sc->writes[i];
         if (sc->iov[v].iov_base != (void *)(uintptr_t)s->local || sc->iov[v].iov_len != s->len)
             continue; /* a header */
-        if (s->local_dev >= 0) {
+        if (s->local_dev >= 0 && rc == 0) {
             uint8_t *dst = st->send_stage.buf + off;
-            if (fmc_cuda_copy((uint64_t)(uintptr_t)dst, s->local, (size_t)s->len, s->local_dev) != FMC_OK)
-                return -1;
+            rc = fmc_cuda_copy_async((uint64_t)(uintptr_t)dst, s->local, (size_t)s->len, s->local_dev);
+            devices |= 1ull << (s->local_dev & 63);
             sc->iov[v].iov_base = dst;
             off += s->len;
         }
         i++;
     }
-    return 0;
+    for (int d = 0; d < 64; d++)
+        if ((devices >> d) & 1)
+            rc |= fmc_cuda_wait(d);
+    return rc == 0 ? 0 : -1;
 }
 
 /* One send round: gather queued slices into one sendmsg and send it.  Called with st->mu held,
