@@ -58,12 +58,17 @@ def _raise_for(rc: int, context: str = "") -> None:
 
 def u64_array(values: Sequence[int], what: str):
     """Copy a sequence of Python ints into a C ``uint64_t[]`` (rejecting negatives, bools, floats)."""
-    try:
-        ints = [operator.index(v) for v in values if not isinstance(v, bool)]
-    except TypeError as exc:
-        raise errors.InvalidArgumentError(f"{what} must be integers ({exc})") from None
-    if len(ints) != len(values):
-        raise errors.InvalidArgumentError(f"{what} must be integers, not booleans")
+    if type(values) is not list:
+        values = list(values)
+    if set(map(type, values)) <= {int}:  # the common case, checked at C speed
+        ints = values
+    else:  # numpy integers and other __index__ types; no bools or floats
+        try:
+            ints = [operator.index(v) for v in values if not isinstance(v, bool)]
+        except TypeError as exc:
+            raise errors.InvalidArgumentError(f"{what} must be integers ({exc})") from None
+        if len(ints) != len(values):
+            raise errors.InvalidArgumentError(f"{what} must be integers, not booleans")
     try:
         return ffi.new("uint64_t[]", ints or [0])
     except OverflowError:

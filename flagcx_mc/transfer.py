@@ -46,7 +46,7 @@ class TransferRequest:
         local = u64_array(buffers, "buffers")
         remote = u64_array(peer_addresses, "peer buffer addresses")
         lens = u64_array(lengths, "lengths")
-        total = sum(lens[i] for i in range(n))
+        total = int(sum(lengths))  # validated above: integers only
         return cls(opcode, n, total, local, remote, lens)
 
     @classmethod
