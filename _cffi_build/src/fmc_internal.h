@@ -90,6 +90,7 @@ void fmc_staging_release(fmc_staging *s);
 /* ---------------------------------------------------------------- same host (fmc_samehost.c) */
 #define FMC_SH_MAX_SLOTS 4096
 #define FMC_SH_MAX_INITIATORS 256
+#define FMC_SH_WORDS_PER_PEER 4   /* concurrent same-host copies to one peer */
 typedef struct {
     uint64_t magic;
     _Atomic uint64_t slot_state[FMC_SH_MAX_SLOTS]; /* (generation << 1) | active */
@@ -236,8 +237,12 @@ struct fmc_peer {
     uint64_t *r_shm_mapped;   /* where the peer's shared memfd region is mapped here (0: not) */
     int r_count;
     fmc_sh_ctrl *sh;          /* mapped control block of a same-host peer, else NULL */
-    int sh_pid, sh_index;
-    pthread_mutex_t sh_mu;    /* one same-host copy at a time: the busy word is one per peer */
+    int sh_pid;
+    int sh_words[FMC_SH_WORDS_PER_PEER]; /* busy words we own in the peer's control block */
+    int sh_nwords;
+    unsigned sh_free;         /* bit i: sh_words[i] not in use by a copy (guarded by sh_mu) */
+    pthread_mutex_t sh_mu;
+    pthread_cond_t sh_cv;     /* a busy word came free */
     int connected, closed;
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */

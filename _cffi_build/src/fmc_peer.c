@@ -390,6 +390,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
     p->slice_size = slice_size;
     pthread_mutex_init(&p->mu, NULL);
     pthread_mutex_init(&p->sh_mu, NULL);
+    pthread_cond_init(&p->sh_cv, NULL);
     atomic_init(&p->refs, 1);
     atomic_init(&p->next_id, 1);
     for (int i = 0; i < nstreams; i++) {

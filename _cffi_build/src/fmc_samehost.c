@@ -168,35 +168,45 @@ int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd, uint64_t ctrl_a
                       magic != SH_MAGIC && err == 0 ? "wrong data" : strerror(err));
         return FMC_ERR_NOT_IMPLEMENTED;
     }
-    int me = (int)getpid(), idx = -1;
-    for (int i = 0; i < FMC_SH_MAX_INITIATORS && idx < 0; i++) {
+    /* Claim busy words (one per concurrent copy), reusing those of initiators that died. */
+    int me = (int)getpid(), words[FMC_SH_WORDS_PER_PEER], nwords = 0;
+    for (int i = 0; i < FMC_SH_MAX_INITIATORS && nwords < FMC_SH_WORDS_PER_PEER; i++) {
         int expected = 0;
         if (atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
-            idx = i;
+            words[nwords++] = i;
         else if (expected != me && (process_state(expected) == 'X' || process_state(expected) == 'Z') &&
                  atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
-            idx = i; /* a dead initiator's slot */
+            words[nwords++] = i;
     }
-    if (idx < 0) {
+    if (nwords == 0) {
         munmap(c, ctrl_size());
         fmc_set_error("the peer has no free same-host initiator slot");
         return FMC_ERR_TOO_MANY_REQUESTS;
     }
-    atomic_store(&c->busy[idx], 0);
     pthread_mutex_lock(&p->mu);
     p->sh = c;
     p->sh_pid = pid;
-    p->sh_index = idx;
     pthread_mutex_unlock(&p->mu);
+    pthread_mutex_lock(&p->sh_mu);
+    for (int i = 0; i < nwords; i++) {
+        atomic_store(&c->busy[words[i]], 0);
+        p->sh_words[i] = words[i];
+    }
+    p->sh_nwords = nwords;
+    p->sh_free = (1u << nwords) - 1;
+    pthread_mutex_unlock(&p->sh_mu);
     return FMC_OK;
 }
 
 void fmc_sh_peer_release(fmc_peer *p)
 {
     if (p->sh) {
-        atomic_store(&p->sh->busy[p->sh_index], 0);
         int me = (int)getpid();
-        atomic_compare_exchange_strong(&p->sh->busy_pid[p->sh_index], &me, 0);
+        for (int i = 0; i < p->sh_nwords; i++) {
+            int mine = me;
+            atomic_store(&p->sh->busy[p->sh_words[i]], 0);
+            atomic_compare_exchange_strong(&p->sh->busy_pid[p->sh_words[i]], &mine, 0);
+        }
         munmap(p->sh, ctrl_size());
         p->sh = NULL;
     }
@@ -216,27 +226,36 @@ static int enter(fmc_sh_ctrl *c, _Atomic uint64_t *busy, const fmc_sh_route *r, 
 
 /* Copy every task in the calling thread: host regions with process_vm_writev/readv (consecutive
  * tasks of one region in one syscall), GPU regions with cuMemcpy through their IPC mapping. */
-static int sh_transfer_locked(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                              const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes,
-                              int64_t deadline_ms);
+static int copy_tasks(fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n, const uint64_t *local,
+                              const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
+                              const fmc_sh_route *routes, int64_t deadline_ms);
 
-/* The peer has one busy word in the target's control block, so copies to one peer take turns:
- * two threads sharing the word could hide each other's copy from unregister. */
+/* Each copy in flight owns one of the peer's busy words (a shared word could hide one thread's
+ * copy from unregister while another thread clears it), so up to FMC_SH_WORDS_PER_PEER threads
+ * copy to one peer at once; more wait for a word. */
 int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                     const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms)
 {
     pthread_mutex_lock(&p->sh_mu);
-    int rc = sh_transfer_locked(p, opcode, n, local, remote, lens, local_dev, routes, deadline_ms);
+    while (!p->sh_free)
+        pthread_cond_wait(&p->sh_cv, &p->sh_mu);
+    int w = __builtin_ctz(p->sh_free);
+    p->sh_free &= ~(1u << w);
+    pthread_mutex_unlock(&p->sh_mu);
+    int rc = copy_tasks(p, &p->sh->busy[p->sh_words[w]], opcode, n, local, remote, lens, local_dev, routes,
+                                deadline_ms);
+    pthread_mutex_lock(&p->sh_mu);
+    p->sh_free |= 1u << w;
+    pthread_cond_signal(&p->sh_cv);
     pthread_mutex_unlock(&p->sh_mu);
     return rc;
 }
 
-static int sh_transfer_locked(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                              const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes,
-                              int64_t deadline_ms)
+static int copy_tasks(fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n, const uint64_t *local,
+                              const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
+                              const fmc_sh_route *routes, int64_t deadline_ms)
 {
     fmc_sh_ctrl *c = p->sh;
-    _Atomic uint64_t *busy = &c->busy[p->sh_index];
     struct iovec liov[SH_IOV], riov[SH_IOV];
     int i = 0;
     while (i < n) {
