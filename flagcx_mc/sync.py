@@ -43,8 +43,11 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def _on_failure(value: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Turn exceptions into Mooncake's failure value (``None``: the error's code) and log why."""
+_CODE = object()  # "fail with the error's own negative code"
+
+
+def _on_failure(value: Any = _CODE) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Turn exceptions into Mooncake's failure value (by default the error's code) and log why."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -53,10 +56,10 @@ def _on_failure(value: Any = None) -> Callable[[Callable[..., Any]], Callable[..
                 return fn(self, *args, **kwargs)
             except errors.FlagcxMcError as exc:
                 log.error("%s failed: %s", fn.__name__, exc)
-                return exc.code if value is None else value
+                return exc.code if value is _CODE else value
             except Exception:
                 log.exception("%s failed unexpectedly", fn.__name__)
-                return -1 if value is None else value
+                return -1 if value is _CODE else value
 
         return wrapper
 
