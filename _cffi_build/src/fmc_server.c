@@ -28,7 +28,15 @@ typedef struct {
     size_t out_bytes;
     fmc_region *read_pins[FMC_IOV_MAX];
     int nread_pins;
-    fmc_staging stage; /* GPU regions: payloads pass through here */
+    fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
+    fmc_staging stage2;
+    /* A write into GPU memory whose host-to-device copy is still running, so that the next
+     * payload is received while it runs; answered (and unpinned) once the copy has landed. */
+    struct {
+        int active, in_stage2, dev;
+        uint64_t id, len;
+        fmc_region *region;
+    } gpu_pending;
 } conn_state;
 
 /* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing), or
@@ -69,17 +77,52 @@ static void unpin(conn_state *cs, fmc_region *r)
     pthread_mutex_unlock(&cs->e->mu);
 }
 
-/* A write into GPU memory: receive into host staging, then copy it onto the device before the
- * answer goes out (the answer promises the bytes are in place). */
-static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t addr, uint64_t len)
+static void unpin(conn_state *cs, fmc_region *r);
+static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
+
+/* Answer the pending GPU write once its copy has landed (answers keep request order, so this runs
+ * before any other answer is queued, and before a flush). */
+static void finish_gpu_write(conn_state *cs)
 {
-    if (fmc_staging_reserve(&cs->stage, (size_t)len) != 0 || fmc_reader_read_into(&cs->rd, cs->stage.buf, (size_t)len) < 0)
+    if (!cs->gpu_pending.active)
+        return;
+    int rc = fmc_cuda_wait(cs->gpu_pending.dev);
+    unpin(cs, cs->gpu_pending.region);
+    cs->gpu_pending.active = 0;
+    if (rc == FMC_OK)
+        cs->e->stat_served_in += cs->gpu_pending.len;
+    queue_answer(cs, cs->gpu_pending.id, rc == FMC_OK ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
+}
+
+/* A write into GPU memory: receive the payload into the staging buffer the pending copy is not
+ * using (overlapping that copy), answer the pending one, then start this one's copy and keep the
+ * region pinned until it lands.  Returns -1 on a broken connection. */
+static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len)
+{
+    int use2 = cs->gpu_pending.active && !cs->gpu_pending.in_stage2;
+    fmc_staging *st = use2 ? &cs->stage2 : &cs->stage;
+    if (fmc_staging_reserve(st, (size_t)len) != 0 || fmc_reader_read_into(&cs->rd, st->buf, (size_t)len) < 0) {
+        unpin(cs, r);
         return -1;
-    return fmc_cuda_copy(addr, (uint64_t)(uintptr_t)cs->stage.buf, (size_t)len, r->cuda_dev) == FMC_OK ? 0 : -1;
+    }
+    finish_gpu_write(cs);
+    if (fmc_cuda_copy_async(addr, (uint64_t)(uintptr_t)st->buf, (size_t)len, r->cuda_dev) != FMC_OK) {
+        unpin(cs, r);
+        queue_answer(cs, id, FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
+        return 0;
+    }
+    cs->gpu_pending.active = 1;
+    cs->gpu_pending.in_stage2 = use2;
+    cs->gpu_pending.dev = r->cuda_dev;
+    cs->gpu_pending.id = id;
+    cs->gpu_pending.len = len;
+    cs->gpu_pending.region = r;
+    return 0;
 }
 
 static int flush(conn_state *cs)
 {
+    finish_gpu_write(cs);
     int rc = 0;
     if (cs->niov)
         rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
@@ -96,6 +139,7 @@ static int flush(conn_state *cs)
 
 static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
+    finish_gpu_write(cs); /* an earlier GPU write answers first */
     fmc_resp resp = {.id = id, .status = status, .len = data ? len : 0};
     uint8_t *h = cs->hdr[cs->nhdr++];
     fmc_resp_encode(h, &resp);
@@ -327,9 +371,12 @@ static void serve(conn_state *cs)
         fmc_region *r = pin(cs, q.addr, q.len, &q.key, q.opcode == FMC_WIRE_OP_WRITE);
         if (q.opcode == FMC_WIRE_OP_WRITE) {
             int rc;
-            if (r) {
-                rc = r->cuda_dev < 0 ? fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len)
-                                     : receive_into_gpu(cs, r, q.addr, q.len);
+            if (r && r->cuda_dev >= 0) {
+                if (receive_into_gpu(cs, r, q.id, q.addr, q.len) < 0)
+                    break;
+                rc = 1; /* answered when its copy lands */
+            } else if (r) {
+                rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
                 unpin(cs, r);
                 if (rc == 0)
                     e->stat_served_in += q.len;
@@ -339,7 +386,8 @@ static void serve(conn_state *cs)
             }
             if (rc < 0)
                 break;
-            queue_answer(cs, q.id, r ? FMC_OK : FMC_ERR_REMOTE_REFUSED, NULL, 0);
+            if (rc == 0)
+                queue_answer(cs, q.id, r ? FMC_OK : FMC_ERR_REMOTE_REFUSED, NULL, 0);
         } else if (r && r->cuda_dev >= 0) {
             /* A GPU source: stage it, answer now (the staging buffer serves one answer). */
             if (flush(cs) < 0 || fmc_staging_reserve(&cs->stage, (size_t)q.len) != 0 ||
@@ -391,6 +439,7 @@ static void *conn_main(void *arg)
     pthread_mutex_unlock(&e->mu);
     fmc_reader_free(&cs->rd);
     fmc_staging_release(&cs->stage);
+    fmc_staging_release(&cs->stage2);
     free(c);
     free(cs);
     return NULL;
