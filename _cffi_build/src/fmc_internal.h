@@ -257,6 +257,7 @@ void fmc_sh_engine_free(fmc_engine *e);
 void fmc_sh_slot_assign(fmc_engine *e, fmc_region *r);
 int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r);
 void fmc_sh_peer_release(struct fmc_peer *p);
+void *fmc_map_peer_fd(int pid, int fd, size_t size); /* NULL (error set) if it cannot */
 /* Per-task same-host route: slot/gen, and for GPU regions the address to copy at (in our
  * mapping) and the device.  0 if some task cannot take the same-host path. */
 typedef struct {

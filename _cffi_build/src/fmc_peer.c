@@ -544,22 +544,9 @@ int fmc_peer_set_region_shm(fmc_peer *p, uint64_t addr, int memfd, uint64_t size
     }
     if (have)
         return FMC_OK;
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, memfd);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-        fmc_set_error("cannot open %s: %s", path, strerror(errno));
+    void *m = fmc_map_peer_fd(pid, memfd, (size_t)size);
+    if (!m)
         return FMC_ERR_NOT_IMPLEMENTED;
-    }
-    struct stat stt;
-    void *m = MAP_FAILED;
-    if (fstat(fd, &stt) == 0 && (uint64_t)stt.st_size >= size)
-        m = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m == MAP_FAILED) {
-        fmc_set_error("cannot map the peer's shared region at 0x%llx", (unsigned long long)addr);
-        return FMC_ERR_NOT_IMPLEMENTED;
-    }
     pthread_mutex_lock(&p->mu);
     i = index_of_locked(p, addr);
     if (i >= 0 && p->r_len[i] == size && !p->r_shm_mapped[i]) {

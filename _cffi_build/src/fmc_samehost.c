@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -139,20 +140,35 @@ int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r)
 
 /* ------------------------------------------------------------------ initiator side */
 
-int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd, uint64_t ctrl_addr)
+/* Map `size` bytes of a memfd that process `pid` shares (its fd number `fd`), read-write. */
+void *fmc_map_peer_fd(int pid, int fd, size_t size)
 {
     char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, ctrl_fd);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-        fmc_set_error("cannot open the peer's control block %s: %s", path, strerror(errno));
-        return FMC_ERR_NOT_IMPLEMENTED;
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+    int local = open(path, O_RDWR | O_CLOEXEC);
+    if (local < 0) {
+        fmc_set_error("cannot open the peer's shared memory %s: %s", path, strerror(errno));
+        return NULL;
     }
-    fmc_sh_ctrl *c = mmap(NULL, ctrl_size(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (c == MAP_FAILED || c->magic != SH_MAGIC) {
-        if (c != MAP_FAILED)
-            munmap(c, ctrl_size());
+    struct stat st;
+    void *m = MAP_FAILED;
+    if (fstat(local, &st) == 0 && (uint64_t)st.st_size >= size)
+        m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
+    close(local);
+    if (m == MAP_FAILED) {
+        fmc_set_error("cannot map %zu bytes of the peer's shared memory %s", size, path);
+        return NULL;
+    }
+    return m;
+}
+
+int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd, uint64_t ctrl_addr)
+{
+    fmc_sh_ctrl *c = fmc_map_peer_fd(pid, ctrl_fd, ctrl_size());
+    if (!c)
+        return FMC_ERR_NOT_IMPLEMENTED;
+    if (c->magic != SH_MAGIC) {
+        munmap(c, ctrl_size());
         fmc_set_error("the peer's control block is not a flagcx_mc one");
         return FMC_ERR_NOT_IMPLEMENTED;
     }
