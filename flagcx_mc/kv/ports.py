@@ -258,16 +258,23 @@ async def lookup_workers(registry: str, instance: str, *, expect: int = 0, timeo
     client = _Client(registry, context)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    table: Optional[Dict[WorkerKey, str]] = None
     try:
         while True:
-            reply = await client.ask(Lookup(new_id(), instance), max(deadline - loop.time(), 0.001))
+            short = RegistryError(f"{len(table or {})} of {expect} workers of {instance!r} registered within {timeout} s")
+            if table is not None and loop.time() >= deadline:
+                raise short  # the registry answered before: the time ran out waiting for workers
+            try:
+                reply = await client.ask(Lookup(new_id(), instance), max(deadline - loop.time(), 0.001))
+            except RegistryError:
+                if table is None:
+                    raise  # it never answered
+                raise short from None
             if not isinstance(reply, Workers):
                 raise RegistryError(f"unexpected {reply.type!r} reply to lookup")
             table = dict(reply.workers)
             if len(table) >= expect:
                 return table
-            if loop.time() >= deadline:
-                raise RegistryError(f"{len(table)} of {expect} workers of {instance!r} registered within {timeout} s")
             await asyncio.sleep(_POLL_INTERVAL)
     finally:
         client.close()
