@@ -7,7 +7,6 @@ Every call into ``lib`` releases the GIL (cffi does so for each call), so the bl
 from __future__ import annotations
 
 import logging
-import operator
 from typing import List, Optional, Sequence, Tuple
 
 from . import errors
@@ -19,7 +18,7 @@ except ImportError as exc:  # a source tree without the compiled core
         "(or `pip install -e .` in a checkout)"
     ) from exc
 
-__all__ = ["CoreEngine", "CorePeer", "CoreBatch", "OP_READ", "OP_WRITE", "core_version", "last_error", "u64_array"]
+__all__ = ["CoreEngine", "CorePeer", "CoreBatch", "OP_READ", "OP_WRITE", "core_version", "last_error"]
 
 log = logging.getLogger("flagcx_mc.core")
 
@@ -54,25 +53,6 @@ def _raise_for(rc: int, context: str = "") -> None:
         if context:
             message = f"{context}: {message}" if message else context
         raise errors.error_for_code(rc, message)
-
-
-def u64_array(values: Sequence[int], what: str):
-    """Copy a sequence of Python ints into a C ``uint64_t[]`` (rejecting negatives, bools, floats)."""
-    if type(values) is not list:
-        values = list(values)
-    if set(map(type, values)) <= {int}:  # the common case, checked at C speed
-        ints = values
-    else:  # numpy integers and other __index__ types; no bools or floats
-        try:
-            ints = [operator.index(v) for v in values if not isinstance(v, bool)]
-        except TypeError as exc:
-            raise errors.InvalidArgumentError(f"{what} must be integers ({exc})") from None
-        if len(ints) != len(values):
-            raise errors.InvalidArgumentError(f"{what} must be integers, not booleans")
-    try:
-        return ffi.new("uint64_t[]", ints or [0])
-    except OverflowError:
-        raise errors.InvalidArgumentError(f"{what} must lie in [0, 2**64)") from None
 
 
 class CoreEngine:

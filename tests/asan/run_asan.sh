@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Leak and memory-error check of the C core: builds it with AddressSanitizer (LeakSanitizer
-# included) in a temporary directory, runs tests/test_core.py and tests/test_transfers.py (or
+# included) in a temporary directory (the argument packer too), runs tests/test_core.py and tests/test_transfers.py (or
 # the tests given as arguments) against that build, and reports every sanitizer finding that
 # involves the core's own code.  CPython's deliberate leaks at exit are not ours and are left out.
 #
@@ -43,6 +43,15 @@ mkdir -p "$WORK/site"
     cp "$ROOT/$f" "$WORK/site/$f"
 done
 cp "$WORK"/flagcx_mc/_fmc_cffi*.so "$WORK/site/flagcx_mc/"
+# The argument packer (a plain CPython extension), sanitized too.
+PYINC="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+EXT="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+if ! gcc -shared -fPIC -O1 -g -fsanitize=address -fno-omit-frame-pointer -I"$PYINC" \
+        "$ROOT/_cffi_build/argpack.c" -o "$WORK/site/flagcx_mc/_argpack$EXT" >>"$WORK/build.log" 2>&1; then
+    cat "$WORK/build.log" >&2
+    echo "run_asan: build of the argument packer failed" >&2
+    exit 2
+fi
 
 # 3. Run the tests with the runtime preloaded (python itself is not instrumented).  First make
 #    sure that what they import is the sanitized build.
@@ -81,7 +90,7 @@ try:
 except (OSError, ET.ParseError) as exc:
     print(f"run_asan: no test results ({exc}): a sanitizer error probably killed the run")
     status = 1
-ours = re.compile(r" in fmc_\w+ |_cffi_build/src/fmc_\w+\.c")  # a frame in the core's own code
+ours = re.compile(r" in fmc_\w+ |_cffi_build/src/fmc_\w+\.c|argpack\.c")  # a frame in our own C code
 errors, leaks, foreign = [], [], 0
 for path in sorted(glob.glob(f"{work}/reports/asan.*")):
     text = open(path, errors="replace").read()

@@ -1,0 +1,90 @@
+"""The transfer-call argument packer: every element checked, packed exactly, errors named."""
+
+import array
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flagcx_mc import errors
+from flagcx_mc._argpack import pack3
+from flagcx_mc.transfer import OP_WRITE, TransferRequest
+
+u64 = st.integers(0, 2**64 - 1)
+
+
+@given(st.lists(st.tuples(u64, u64, st.integers(0, 2**40)), max_size=300))
+def test_packs_local_remote_lengths_in_order(triples):
+    local, remote, lens = (list(x) for x in zip(*triples)) if triples else ([], [], [])
+    packed, n, total = pack3(local, remote, lens)
+    assert n == len(triples) and total == sum(lens)
+    slots = max(n, 1)
+    words = array.array("Q", bytes(packed))
+    assert len(words) == 3 * slots
+    assert list(words[:n]) == local
+    assert list(words[slots:slots + n]) == remote
+    assert list(words[2 * slots:2 * slots + n]) == lens
+
+
+def test_accepts_tuples_generators_and_numpy_integers():
+    packed, n, total = pack3((1, 2), (x for x in (3, 4)), np.array([5, 6], dtype=np.uint64).tolist())
+    assert (n, total) == (2, 11)
+    _, _, total = pack3([np.int64(7)], [np.uint64(2**63)], [np.int32(9)])
+    assert total == 9
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([1], [2], [True]), "lengths must be integers, not booleans"),
+        (([1.0], [2], [3]), "buffers must be integers"),
+        (([1], ["2"], [3]), "peer buffer addresses must be integers"),
+        (([-1], [2], [3]), "buffers must lie in [0, 2**64)"),
+        (([1], [2**64], [3]), "peer buffer addresses must lie in [0, 2**64)"),
+        (([1, 2], [2], [3]), "differ in length (2, 1, 1)"),
+        (([1, 2], [2, 3], [2**63, 2**63]), "lengths add up to 2**64"),
+        ((5, [2], [3]), "must be sequences"),
+    ],
+)
+def test_bad_input_is_refused_with_the_list_named(args, message):
+    with pytest.raises((TypeError, ValueError), match=None) as info:
+        pack3(*args)
+    assert message in str(info.value)
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        TransferRequest.build(OP_WRITE, *args)
+    assert message in str(info.value)
+
+
+def test_request_views_stay_valid_after_the_lists_are_gone():
+    req = TransferRequest.build(OP_WRITE, [10, 11, 12], [20, 21, 22], [1, 2, 3])
+    assert (req.count, req.total_bytes) == (3, 6)
+    assert [req.local[i] for i in range(3)] == [10, 11, 12]
+    assert [req.remote[i] for i in range(3)] == [20, 21, 22]
+    assert [req.lengths[i] for i in range(3)] == [1, 2, 3]
+
+
+def test_no_memory_is_kept_across_calls_good_or_bad():
+    import gc
+    import tracemalloc
+
+    big = list(range(1 << 20, (1 << 20) + 512))
+    bad = ([1, 2], [3, -4], [5, 6])
+
+    def churn():
+        for _ in range(300):
+            pack3(big, big, big)
+            with pytest.raises(ValueError):
+                pack3(*bad)
+
+    churn()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        churn()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes kept after 600 calls"
