@@ -10,41 +10,55 @@
 
 #include "fmc_internal.h"
 
-void fmc_slice_finish(fmc_slice *s, int status)
+/* Record one slice's outcome; caller holds b->mu.  Returns 1 when it was the batch's last. */
+static int finish_locked(fmc_batch *b, int t, int status)
 {
-    fmc_batch *b = s->batch;
-    pthread_mutex_lock(&b->mu);
-    int t = s->task;
     if (status != FMC_OK && b->task_status[t] >= 0)
         b->task_status[t] = status;
     if (--b->task_remaining[t] == 0 && b->task_status[t] == FMC_TASK_PENDING)
         b->task_status[t] = FMC_OK;
     if (status != FMC_OK && b->first_error == FMC_OK)
         b->first_error = status;
-    if (--b->outstanding == 0) {
-        fmc_engine *e = b->peer->engine;
-        __atomic_store_n(&b->finished, 1, __ATOMIC_RELEASE);
-        if (b->first_error == FMC_OK) {
-            e->stat_batches_ok++;
-            if (b->opcode == FMC_OP_WRITE)
-                e->stat_written_out += b->bytes;
-            else
-                e->stat_read_in += b->bytes;
-        } else {
-            e->stat_batches_failed++;
-        }
-        pthread_cond_broadcast(&b->cv);
+    if (--b->outstanding != 0)
+        return 0;
+    fmc_engine *e = b->peer->engine;
+    __atomic_store_n(&b->finished, 1, __ATOMIC_RELEASE);
+    if (b->first_error == FMC_OK) {
+        e->stat_batches_ok++;
+        if (b->opcode == FMC_OP_WRITE)
+            e->stat_written_out += b->bytes;
+        else
+            e->stat_read_in += b->bytes;
+    } else {
+        e->stat_batches_failed++;
     }
-    pthread_mutex_unlock(&b->mu);
+    pthread_cond_broadcast(&b->cv);
+    return 1;
 }
 
-static void finish_list(fmc_slice *s, int status)
+/* Finish a list of slices, each with its answer_status (or `status` for all when it is not
+ * FMC_TASK_PENDING), taking each batch's lock once per run of its slices: four stream receivers
+ * finishing the slices of one batch one lock at a time made them queue on it.  A slice lives in
+ * its batch's memory, which its waiter may free once the last one is finished, so `next` is read
+ * before a slice is finished and nothing of a batch is touched after its lock is released. */
+void fmc_slices_finish(fmc_slice *s, int status)
 {
     while (s) {
-        fmc_slice *next = s->next;
-        fmc_slice_finish(s, status);
-        s = next;
+        fmc_batch *b = s->batch;
+        pthread_mutex_lock(&b->mu);
+        while (s && s->batch == b) {
+            fmc_slice *next = s->next;
+            finish_locked(b, s->task, status != FMC_TASK_PENDING ? status : s->answer_status);
+            s = next;
+        }
+        pthread_mutex_unlock(&b->mu);
     }
+}
+
+void fmc_slice_finish(fmc_slice *s, int status)
+{
+    s->next = NULL;
+    fmc_slices_finish(s, status);
 }
 
 static void mark_error(fmc_batch *b, int status)
@@ -241,7 +255,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         fmc_slice *head = per_stream[only].head;
         int rc = fmc_stream_enqueue_inline(&p->streams[only], &per_stream[only], inline_deadline_ms);
         if (rc == FMC_ERR_SOCKET)
-            finish_list(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
+            fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
         else if (rc == FMC_ERR_TIMEOUT)
             mark_error(b, FMC_ERR_TIMEOUT); /* the cut stream fails the slices; report why */
         return FMC_OK;
@@ -251,7 +265,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             continue;
         fmc_slice *head = per_stream[i].head;
         if (fmc_stream_enqueue(&p->streams[i], &per_stream[i]) != FMC_OK)
-            finish_list(head, FMC_ERR_SOCKET); /* never queued */
+            fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued */
     }
     return FMC_OK;
 }
@@ -318,10 +332,7 @@ int fmc_batch_cancel(fmc_batch *b)
         pthread_mutex_unlock(&st->mu);
         if (cut)
             fmc_stream_kill(st);
-        for (fmc_slice *s = removed.head, *next; s; s = next) {
-            next = s->next;
-            fmc_slice_finish(s, FMC_ERR_TIMEOUT);
-        }
+        fmc_slices_finish(removed.head, FMC_ERR_TIMEOUT);
     }
     pthread_mutex_lock(&b->mu);
     while (!b->finished)

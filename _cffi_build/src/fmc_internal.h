@@ -103,7 +103,7 @@ typedef struct fmc_region {
     uint64_t addr, len;
     uint32_t key;
     int refs;     /* remote operations currently touching the region */
-    int removed;  /* unregistered: no new pins */
+    int removed;  /* unregistered: no new pins (set under the lock, read atomically) */
     int writable; /* mapped writable when registered; remote writes to others are refused */
     int cuda_dev;     /* GPU ordinal of device memory, -1 for host memory */
     int sh_slot;      /* same-host control slot, -1 if none */
@@ -271,6 +271,8 @@ int fmc_peer_lookup_routes(struct fmc_peer *p, int n, const uint64_t *remote, co
 int fmc_sh_transfer(struct fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                     const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms);
 void fmc_slice_finish(fmc_slice *s, int status);
+/* A list of slices, each with `status`, or with its own answer_status if status is FMC_TASK_PENDING. */
+void fmc_slices_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
 int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms);

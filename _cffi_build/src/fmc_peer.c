@@ -42,15 +42,6 @@ static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
     src->head = src->tail = NULL;
 }
 
-static void finish_all(fmc_slice *s, int status)
-{
-    while (s) {
-        fmc_slice *next = s->next; /* read before finishing: the batch may be freed after */
-        fmc_slice_finish(s, status);
-        s = next;
-    }
-}
-
 /* ------------------------------------------------------------------ stream threads */
 
 /* Called by each stream thread as it leaves; the last one out fails whatever is left, which is
@@ -86,7 +77,7 @@ static void stream_thread_exit(fmc_stream *st)
         list_append(&left, &st->pending);
     }
     pthread_mutex_unlock(&st->mu);
-    finish_all(left.head, FMC_ERR_SOCKET);
+    fmc_slices_finish(left.head, FMC_ERR_SOCKET);
 }
 
 void fmc_stream_kill(fmc_stream *st)
@@ -209,11 +200,7 @@ static int send_round(fmc_stream *st, send_scratch *sc, int64_t deadline_ms)
         fmc_slice *s = st->answered.head;
         st->answered.head = st->answered.tail = NULL;
         pthread_mutex_unlock(&st->mu);
-        while (s) {
-            fmc_slice *next = s->next;
-            fmc_slice_finish(s, s->answer_status);
-            s = next;
-        }
+        fmc_slices_finish(s, FMC_TASK_PENDING); /* each with its parked answer_status */
         pthread_mutex_lock(&st->mu);
     }
     return rc;
@@ -306,56 +293,80 @@ static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
     return 0;
 }
 
+/* An answer header is already buffered: it can be taken without a syscall. */
+static int answer_buffered(int proto, const fmc_reader *rd)
+{
+    return fmc_reader_buffered(rd) >= (proto == FMC_PROTO_MOONCAKE ? FMC_MC_STATUS_SIZE : FMC_RESP_SIZE);
+}
+
+/* Matches answers to in-flight slices, in order.  The answers already buffered are taken under
+ * one hold of the stream lock and their slices finished together (one batch lock per run). */
 void *fmc_stream_recv_main(void *arg)
 {
     fmc_stream *st = arg;
     fmc_engine *e = st->peer->engine;
+    int proto = st->peer->proto;
     fmc_reader rd;
     if (fmc_reader_init(&rd, st->fd, 64u << 10) != 0) {
         stream_thread_exit(st);
         return NULL;
     }
+    fmc_slice_list done = {0};
     for (;;) {
         fmc_resp a;
-        if (read_answer(st->peer->proto, &rd, &a) < 0)
+        fmc_slices_finish(done.head, FMC_TASK_PENDING);
+        done.head = done.tail = NULL;
+        if (read_answer(proto, &rd, &a) < 0)
             break;
         pthread_mutex_lock(&st->mu);
-        fmc_slice *s = st->inflight.head;
-        if (s && st->peer->proto == FMC_PROTO_MOONCAKE) {
-            /* Mooncake answers carry no id: in-order delivery is the match. */
-            a.id = s->id;
-            a.len = s->batch->opcode == FMC_OP_READ && a.status == FMC_OK ? s->len : 0;
-        }
-        int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
-        int bad = !s || s->id != a.id || a.len != (carries_data ? s->len : 0);
-        if (bad) {
-            pthread_mutex_unlock(&st->mu);
-            fmc_engine_log(e, "peer %s:%d sent an answer that matches no request; stream closed",
-                           st->peer->host, st->peer->data_port);
-            break;
-        }
-        st->inflight.head = s->next;
-        if (!st->inflight.head)
-            st->inflight.tail = NULL;
-        if (a.len) {
-            st->receiving = s;
-            pthread_mutex_unlock(&st->mu);
-            if (receive_payload(st, &rd, s) < 0)
-                break; /* `receiving` stays set: the exit path fails it */
-            pthread_mutex_lock(&st->mu);
-            st->receiving = NULL;
-        }
-        if (s->sending) {
+        int broken = 0;
+        for (;;) {
+            fmc_slice *s = st->inflight.head;
+            if (s && proto == FMC_PROTO_MOONCAKE) {
+                /* Mooncake answers carry no id: in-order delivery is the match. */
+                a.id = s->id;
+                a.len = s->batch->opcode == FMC_OP_READ && a.status == FMC_OK ? s->len : 0;
+            }
+            int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
+            if (!s || s->id != a.id || a.len != (carries_data ? s->len : 0)) {
+                pthread_mutex_unlock(&st->mu);
+                fmc_engine_log(e, "peer %s:%d sent an answer that matches no request; stream closed",
+                               st->peer->host, st->peer->data_port);
+                broken = 1;
+                break;
+            }
+            st->inflight.head = s->next;
+            if (!st->inflight.head)
+                st->inflight.tail = NULL;
+            s->answer_status = remote_status(a.status);
+            if (a.len) {
+                st->receiving = s;
+                pthread_mutex_unlock(&st->mu);
+                fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
+                done.head = done.tail = NULL;
+                if (receive_payload(st, &rd, s) < 0) {
+                    broken = 1; /* `receiving` stays set: the exit path fails it */
+                    break;
+                }
+                pthread_mutex_lock(&st->mu);
+                st->receiving = NULL;
+            }
             /* Answered while sendmsg may still read its bytes (a target that answers early, or
              * one whose answer overtook the end of a long gather): the sender finishes it. */
-            s->answer_status = remote_status(a.status);
-            list_push(&st->answered, s);
-            pthread_mutex_unlock(&st->mu);
-            continue;
+            list_push(s->sending ? &st->answered : &done, s);
+            if (!answer_buffered(proto, &rd))
+                break;
+            if (read_answer(proto, &rd, &a) < 0) {
+                pthread_mutex_unlock(&st->mu);
+                broken = 1;
+                break;
+            }
         }
+        if (broken)
+            break;
         pthread_mutex_unlock(&st->mu);
-        fmc_slice_finish(s, remote_status(a.status));
     }
+    fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
     fmc_reader_free(&rd);
     stream_thread_exit(st);
     return NULL;

@@ -86,7 +86,7 @@ fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr)
     fmc_region *r = reg->items[i];
     memmove(reg->items + i, reg->items + i + 1, (size_t)(reg->count - i - 1) * sizeof *reg->items);
     reg->count--;
-    r->removed = 1;
+    __atomic_store_n(&r->removed, 1, __ATOMIC_RELEASE); /* also read without the lock (server pin()) */
     return r;
 }
 

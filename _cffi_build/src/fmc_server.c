@@ -28,6 +28,10 @@ typedef struct {
     size_t out_bytes;
     fmc_region *read_pins[FMC_IOV_MAX];
     int nread_pins;
+    fmc_region *held; /* pinned until a flush finds it unused; see pin() */
+    int held_uses;
+    uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
+                                       (one shared atomic add per request made the streams contend) */
     fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
     fmc_staging stage2;
     /* A write into GPU memory whose host-to-device copy is still running, so that the next
@@ -39,20 +43,43 @@ typedef struct {
     } gpu_pending;
 } conn_state;
 
+/* Regions are pinned (refs, under the engine lock) while a request touches them; unregister waits
+ * for refs to drop.  Taking the lock twice per request made four streams of 4 KiB writes queue on
+ * it, so a connection holds one pin on the first region it uses in a flush window (`held`, listed
+ * in c->pins so that unregister can cut the connection) until a flush finds it unused; flushes
+ * come before the thread can block waiting for a request.  Uses of the held region are counted
+ * in `held_uses`, by this thread alone: no lock and no shared cache line per request.  Such a use
+ * still sees an unregister: `removed` is set under the lock and read here without it. */
+
+static int region_accepts(const fmc_region *r, const uint32_t *key, int for_write)
+{
+    return (key ? r->key == *key : r->cuda_dev < 0) /* Mooncake's framing: host memory only */
+           && (!for_write || r->writable);
+}
+
 /* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing), or
  * return NULL.  A write also needs a region that was mapped writable when registered (else the
  * memcpy into it would crash us). */
 static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
 {
+    fmc_region *h = cs->held;
+    if (h && addr >= h->addr && len <= h->len && addr - h->addr <= h->len - len &&
+        region_accepts(h, key, for_write) && !__atomic_load_n(&h->removed, __ATOMIC_ACQUIRE)) {
+        cs->held_uses++;
+        return h;
+    }
     fmc_engine *e = cs->e;
     pthread_mutex_lock(&e->mu);
     fmc_region *r = fmc_registry_find(&e->reg, addr, len);
-    if (r && ((key && r->key != *key) || r->removed || cs->c->npins >= FMC_MAX_PINS || (for_write && !r->writable) ||
-              (!key && r->cuda_dev >= 0))) /* Mooncake's framing: host memory only */
+    if (r && (r->removed || cs->c->npins >= FMC_MAX_PINS || !region_accepts(r, key, for_write)))
         r = NULL;
     if (r) {
         r->refs++;
         cs->c->pins[cs->c->npins++] = r;
+        if (cs->held == NULL) { /* this pin becomes the held one, and this its first use */
+            cs->held = r;
+            cs->held_uses = 1;
+        }
     }
     pthread_mutex_unlock(&e->mu);
     return r;
@@ -70,10 +97,26 @@ static void unpin_locked(fmc_engine *e, fmc_server_conn *c, fmc_region *r)
         pthread_cond_broadcast(&e->cv);
 }
 
+/* Release one use of r; a use of the held region only lowers the count. */
 static void unpin(conn_state *cs, fmc_region *r)
 {
+    if (r == cs->held && cs->held_uses > 0) {
+        cs->held_uses--;
+        return;
+    }
     pthread_mutex_lock(&cs->e->mu);
     unpin_locked(cs->e, cs->c, r);
+    pthread_mutex_unlock(&cs->e->mu);
+}
+
+/* Drop the held region's pin once nothing uses it; called at every flush. */
+static void release_held(conn_state *cs)
+{
+    if (!cs->held || cs->held_uses > 0)
+        return;
+    pthread_mutex_lock(&cs->e->mu);
+    unpin_locked(cs->e, cs->c, cs->held);
+    cs->held = NULL;
     pthread_mutex_unlock(&cs->e->mu);
 }
 
@@ -90,7 +133,7 @@ static void finish_gpu_write(conn_state *cs)
     unpin(cs, cs->gpu_pending.region);
     cs->gpu_pending.active = 0;
     if (rc == FMC_OK)
-        cs->e->stat_served_in += cs->gpu_pending.len;
+        cs->served_in += cs->gpu_pending.len;
     queue_answer(cs, cs->gpu_pending.id, rc == FMC_OK ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
 }
 
@@ -126,11 +169,13 @@ static int flush(conn_state *cs)
     int rc = 0;
     if (cs->niov)
         rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
-    if (cs->nread_pins) {
-        pthread_mutex_lock(&cs->e->mu);
-        for (int i = 0; i < cs->nread_pins; i++)
-            unpin_locked(cs->e, cs->c, cs->read_pins[i]);
-        pthread_mutex_unlock(&cs->e->mu);
+    for (int i = 0; i < cs->nread_pins; i++)
+        unpin(cs, cs->read_pins[i]);
+    release_held(cs); /* last: the uses above were counted against it */
+    if (cs->served_in | cs->served_out) {
+        cs->e->stat_served_in += cs->served_in;
+        cs->e->stat_served_out += cs->served_out;
+        cs->served_in = cs->served_out = 0;
     }
     cs->niov = cs->nhdr = cs->nread_pins = 0;
     cs->out_bytes = 0;
@@ -296,7 +341,7 @@ static void serve_mooncake(conn_state *cs)
                 unpin(cs, r);
             if (rc < 0)
                 break;
-            e->stat_served_in += size;
+            cs->served_in += size;
             if (v2)
                 queue_mooncake_status(cs, 1, NULL, 0);
         } else {
@@ -308,7 +353,7 @@ static void serve_mooncake(conn_state *cs)
                 cs->iov[cs->niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)addr, .iov_len = (size_t)size};
                 cs->out_bytes += size;
             }
-            e->stat_served_out += size;
+            cs->served_out += size;
         }
         if (cs->niov + 2 > FMC_IOV_MAX || cs->out_bytes >= FMC_FLUSH_BYTES) {
             if (flush(cs) < 0)
@@ -356,11 +401,13 @@ static void serve(conn_state *cs)
                     fmc_reader_fill(&cs->rd, FMC_REQ_SIZE) < 0)
                     break;
             }
+            /* Stamped when the socket is read, not per request: a busy connection passes here
+             * often enough for eviction's half-second idleness test. */
+            __atomic_store_n(&cs->c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
         }
         fmc_req q;
         fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
         cs->rd.start += FMC_REQ_SIZE;
-        __atomic_store_n(&cs->c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
         if ((q.opcode != FMC_WIRE_OP_WRITE && q.opcode != FMC_WIRE_OP_READ) || q.len == 0 ||
             q.len > FMC_MAX_WIRE_LEN) {
             e->stat_protocol_errors++;
@@ -379,7 +426,7 @@ static void serve(conn_state *cs)
                 rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
                 unpin(cs, r);
                 if (rc == 0)
-                    e->stat_served_in += q.len;
+                    cs->served_in += q.len;
             } else {
                 refuse(cs, &q);
                 rc = fmc_reader_skip(&cs->rd, (size_t)q.len);
@@ -397,13 +444,13 @@ static void serve(conn_state *cs)
             }
             unpin(cs, r);
             queue_answer(cs, q.id, FMC_OK, cs->stage.buf, q.len);
-            e->stat_served_out += q.len;
+            cs->served_out += q.len;
             if (flush(cs) < 0)
                 break;
         } else if (r) {
             cs->read_pins[cs->nread_pins++] = r;
             queue_answer(cs, q.id, FMC_OK, (void *)(uintptr_t)q.addr, q.len);
-            e->stat_served_out += q.len;
+            cs->served_out += q.len;
         } else {
             refuse(cs, &q);
             queue_answer(cs, q.id, FMC_ERR_REMOTE_REFUSED, NULL, 0);
