@@ -35,6 +35,8 @@ typedef struct {
     uint64_t requests_refused;     /* remote requests refused by the registry check */
     uint64_t protocol_errors;      /* connections dropped for malformed input */
     uint64_t server_connections;   /* live inbound data connections */
+    uint64_t requests_served;      /* remote requests answered (a vector counts once) */
+    uint64_t vectors_served;       /* of which vector requests (many small slices in one) */
 } fmc_stats;
 
 const char *fmc_version(void);

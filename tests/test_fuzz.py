@@ -44,6 +44,9 @@ RESP = struct.Struct("<QiIQ")    # id, status, reserved, len
 MC_HDR = struct.Struct("<QQB7x")  # Mooncake: size, addr, opcode (| 0x80: v2)
 MC_OK, MC_REJECTED = 0x4D43545600000000, 0x4D43545600000001
 REFUSED = -106
+PREAMBLE_VECTORS = 2             # fmc_wire.h: vectors, opcodes 3 (write) and 4 (read)
+VEC_ENTRY = struct.Struct("<IIQQ")  # key, reserved, addr, len
+VEC_MAX, VEC_ENTRY_MAX = 256, 64 << 10
 
 PROT_NONE, PROT_READ, PROT_WRITE = 0, mmap.PROT_READ, mmap.PROT_WRITE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -126,8 +129,9 @@ def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -
     if n < 16:
         exp.consumed = n
         return _finish(exp)
-    version = struct.unpack_from("<I", stream, 8)[0]
-    exp.answer(OK_MAGIC + struct.pack("<iI", 0 if version == 1 else REFUSED, 0))
+    version, flags = struct.unpack_from("<II", stream, 8)
+    vectors = version == 1 and bool(flags & PREAMBLE_VECTORS)
+    exp.answer(OK_MAGIC + struct.pack("<iI", 0 if version == 1 else REFUSED, int(vectors)))
     pos = exp.consumed = 16
     if version != 1:
         return _finish(exp)
@@ -135,6 +139,11 @@ def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -
         op, _flags, _res, key, ident, addr, length = REQ.unpack_from(stream, pos)
         pos += REQ.size
         exp.consumed = pos
+        if vectors and op in (3, 4) and 0 < length <= MAX_WIRE_LEN:
+            pos = _simulate_vector(stream, pos, regions, exp, op == 3, key, ident, addr, length)
+            if pos < 0:
+                return _finish(exp)
+            continue
         if op not in (1, 2) or length == 0 or length > MAX_WIRE_LEN:
             return _finish(exp)  # protocol error: dropped, nothing answered for it
         hit = _find(regions, addr, length, key, op == 1)
@@ -157,6 +166,52 @@ def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -
             exp.answer(RESP.pack(ident, REFUSED, 0, 0))
     exp.consumed = n
     return _finish(exp)
+
+
+def _simulate_vector(stream: bytes, pos: int, regions: List[GuardedRegion], exp: Expected, write: bool, count: int,
+                     ident: int, addr0: int, total: int) -> int:
+    """One vector request (fmc_wire.h) whose header ended at pos; the new position, or -1 where
+    the server drops the connection."""
+    n = len(stream)
+    if count < 2 or count > VEC_MAX or addr0 != 0:
+        return -1
+    if n - pos < count * VEC_ENTRY.size:
+        exp.consumed = n
+        return -1
+    entries = [(key, a, length) for key, _res, a, length in
+               (VEC_ENTRY.unpack_from(stream, pos + j * VEC_ENTRY.size) for j in range(count))]
+    pos += count * VEC_ENTRY.size
+    exp.consumed = pos
+    if any(length == 0 or length > VEC_ENTRY_MAX for _, _, length in entries) or \
+            sum(length for _, _, length in entries) != total:
+        return -1
+    hits = [_find(regions, a, length, key, write) for key, a, length in entries]
+    statuses = b"".join(struct.pack("<i", 0 if h else REFUSED) for h in hits)
+    failed = not all(hits)
+    if write:
+        for (_, _, length), hit in zip(entries, hits):
+            got = min(length, n - pos)
+            if hit:
+                i, off = hit
+                exp.memory[i][off:off + got] = stream[pos:pos + got]
+                exp.writes.append((len(exp.chunks), i, off, got))
+            pos += got
+            exp.consumed = pos
+            if got < length:
+                return -1  # the payloads ended early: dropped unanswered
+        exp.answer(RESP.pack(ident, REFUSED if failed else 0, 0, 4 * count if failed else 0))
+        if failed:
+            exp.answer(statuses)
+        return pos
+    data = sum(length for (_, _, length), hit in zip(entries, hits) if hit)
+    exp.answer(RESP.pack(ident, REFUSED if failed else 0, 0, data + (4 * count if failed else 0)))
+    if failed:
+        exp.answer(statuses)
+    for (_, _, length), hit in zip(entries, hits):
+        if hit:
+            exp.pending_reads.append((len(exp.chunks), hit[0], hit[1], length))
+            exp.answer(bytes(length), exact=False)
+    return pos
 
 
 def _simulate_mooncake(stream: bytes, regions: List[GuardedRegion], exp: Expected) -> Expected:
@@ -299,6 +354,36 @@ def native_request(draw, regions: List[GuardedRegion]) -> bytes:
 
 
 @st.composite
+def native_vector(draw, regions: List[GuardedRegion]) -> bytes:
+    """A vector request: entries valid or hostile, the count and the total right or wrong."""
+    write = draw(st.booleans())
+    entries = []
+    for _ in range(draw(st.integers(1, 6))):
+        r = draw(st.sampled_from([regions[0], regions[0], regions[-1]]))
+        if draw(st.integers(0, 3)):
+            off = draw(st.integers(0, r.size - 1))
+            key, addr, length = r.key, r.addr + off, draw(st.integers(1, min(r.size - off, 2 * PAGE)))
+        else:
+            key = draw(st.sampled_from([r.key, r.key ^ 1, 0]))
+            addr = _addr(draw, regions)
+            length = draw(st.sampled_from([0, 1, PAGE, VEC_ENTRY_MAX, VEC_ENTRY_MAX + 1]) | st.integers(0, U64))
+        entries.append((key, addr, length))
+    total = sum(length for _, _, length in entries) & U64
+    count = len(entries)
+    if not draw(st.integers(0, 5)):
+        count, total = draw(st.sampled_from([0, 1, count + 1, VEC_MAX + 1])), total
+    elif not draw(st.integers(0, 5)):
+        total = draw(st.sampled_from([total + 1, max(total - 1, 0), 0]))
+    header = REQ.pack(3 if write else 4, 0, 0, count, draw(st.integers(0, U64)), 0, total)
+    table = b"".join(VEC_ENTRY.pack(key, 0, addr, length & U64) for key, addr, length in entries)
+    payload = b""
+    if write:
+        rng = random.Random(draw(st.integers(0, 2**32)))
+        payload = rng.randbytes(min(total, PAYLOAD_CAP, draw(st.sampled_from([PAYLOAD_CAP] * 5 + [total // 2]))))
+    return header + table + payload
+
+
+@st.composite
 def native_stream(draw, regions: List[GuardedRegion]) -> bytes:
     preamble = bytearray(HELLO + struct.pack("<II", 1, 0))
     mode = draw(st.sampled_from(["good"] * 6 + ["version", "magic", "short"]))
@@ -308,8 +393,10 @@ def native_stream(draw, regions: List[GuardedRegion]) -> bytes:
         preamble[draw(st.integers(0, 7))] ^= draw(st.integers(1, 255))
     elif mode == "short":
         return bytes(preamble[:draw(st.integers(0, 15))])
-    struct.pack_into("<I", preamble, 12, draw(st.integers(0, 2**32 - 1)) & ~1)  # flag 1 asks for auth
-    body = b"".join(draw(st.lists(native_request(regions), min_size=1, max_size=12)))
+    flags = draw(st.sampled_from([0, PREAMBLE_VECTORS, PREAMBLE_VECTORS]) | st.integers(0, 2**32 - 1))
+    struct.pack_into("<I", preamble, 12, flags & ~1)  # flag 1 asks for auth
+    request = native_request(regions) | native_vector(regions) if flags & PREAMBLE_VECTORS else native_request(regions)
+    body = b"".join(draw(st.lists(request, min_size=1, max_size=12)))
     tail = draw(st.binary(max_size=40)) if draw(st.booleans()) else b""
     return bytes(preamble) + body + tail
 

@@ -327,7 +327,7 @@ int fmc_batch_cancel(fmc_batch *b)
         st->pending = keep;
         /* Slices on the wire may still read or write our memory: only cutting the stream stops
          * that, and the stream's exit path then finishes them. */
-        int cut = (st->receiving && st->receiving->batch == b) || slice_list_has_batch(st->inflight.head, b) ||
+        int cut = slice_list_has_batch(st->receiving.head, b) || slice_list_has_batch(st->inflight.head, b) ||
                   slice_list_has_batch(st->answered.head, b); /* answered, but sendmsg still reads it */
         pthread_mutex_unlock(&st->mu);
         if (cut)

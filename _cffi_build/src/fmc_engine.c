@@ -155,6 +155,8 @@ void fmc_engine_get_stats(fmc_engine *e, fmc_stats *s)
     s->batches_failed = e->stat_batches_failed;
     s->requests_refused = e->stat_refused;
     s->protocol_errors = e->stat_protocol_errors;
+    s->requests_served = e->stat_requests;
+    s->vectors_served = e->stat_vectors;
     pthread_mutex_lock(&e->mu);
     s->server_connections = (uint64_t)e->nconns;
     pthread_mutex_unlock(&e->mu);

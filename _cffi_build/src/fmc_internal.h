@@ -29,6 +29,8 @@ typedef struct {
     int fd;
     uint8_t *buf;
     size_t cap, start, end;
+    size_t max_read; /* 0, or the most one recv takes: leaves payloads that follow a header in
+                      * the socket, to be read straight into place (vectors) */
 } fmc_reader;
 
 int fmc_reader_init(fmc_reader *r, int fd, size_t cap);
@@ -40,6 +42,8 @@ int fmc_reader_fill(fmc_reader *r, size_t n);
 int fmc_reader_try_more(fmc_reader *r);
 /* Copy n bytes to dst: buffered bytes first, then straight from the socket. */
 int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n);
+/* Fill the iovecs in order: buffered bytes first, then straight from the socket; consumes iov. */
+int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt);
 /* Throw n bytes away. */
 int fmc_reader_skip(fmc_reader *r, size_t n);
 
@@ -61,8 +65,10 @@ typedef struct {
 
 void fmc_hmac_sha256(const uint8_t *key, size_t key_len, const uint8_t *msg, size_t msg_len, uint8_t out[32]);
 int fmc_equal_ct(const uint8_t *a, const uint8_t *b, size_t n);
-int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce);
-int fmc_auth_client(int fd, const fmc_secret *s);
+/* `caps`: the target's FMC_CAP_* bits for its final answer; the initiator sends `flags`
+ * (FMC_PREAMBLE_*, besides AUTH) and gets the target's bits in *caps. */
+int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce, uint32_t caps);
+int fmc_auth_client(int fd, const fmc_secret *s, uint32_t flags, uint32_t *caps);
 
 /* ---------------------------------------------------------------- GPU memory (fmc_cuda.c) */
 #define FMC_CUDA_IPC_HANDLE_SIZE 64
@@ -152,6 +158,7 @@ struct fmc_engine {
     int sh_fd;
     uint8_t sh_slot_used[FMC_SH_MAX_SLOTS]; /* guarded by mu */
     atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
+    atomic_uint_fast64_t stat_requests, stat_vectors;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
     pthread_mutex_t log_mu;
@@ -178,6 +185,7 @@ typedef struct fmc_slice {
      * returns: a target that answers before taking every byte must not end the batch early. */
     int sending;
     int answer_status;
+    int vec_n;        /* set when sent: >= 2 on the first slice of a vector of that many, else 1 */
 } fmc_slice;
 
 typedef struct {
@@ -208,7 +216,7 @@ typedef struct fmc_stream {
     pthread_cond_t cv;        /* work queued or stream died */
     fmc_slice_list pending;   /* queued, not yet sent */
     fmc_slice_list inflight;  /* sent (or being sent), answer not yet consumed */
-    fmc_slice *receiving;     /* answer being read into local memory */
+    fmc_slice_list receiving; /* answered, payload being read into local memory */
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
@@ -225,6 +233,7 @@ struct fmc_peer {
     int data_port;
     int nstreams;
     int proto;                /* FMC_PROTO_NATIVE or FMC_PROTO_MOONCAKE (v2) */
+    int vectors;              /* the target takes vector requests (fmc_wire.h); set at connect */
     uint64_t slice_size;
     pthread_mutex_t mu;       /* remote table, state */
     uint64_t *r_addr, *r_len;

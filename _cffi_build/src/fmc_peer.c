@@ -69,9 +69,7 @@ static void stream_thread_exit(fmc_stream *st)
             close(st->fd);
             st->fd = -1;
         }
-        if (st->receiving)
-            list_push(&left, st->receiving);
-        st->receiving = NULL;
+        list_append(&left, &st->receiving);
         list_append(&left, &st->inflight);
         list_append(&left, &st->answered); /* empty in practice: the sender drains it */
         list_append(&left, &st->pending);
@@ -105,9 +103,31 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
 
 typedef struct {
     uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
+    uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
     struct iovec iov[FMC_IOV_MAX];
-    fmc_slice *writes[FMC_IOV_MAX / 2]; /* write slices of the current sendmsg */
+    fmc_slice *writes[FMC_IOV_MAX]; /* write slices of the current sendmsg */
 } send_scratch;
+
+/* Small host-memory slices of one batch travel as vectors when the target takes them. */
+static int vectorizable(const fmc_peer *p, const fmc_slice *s)
+{
+    return p->vectors && s->local_dev < 0 && s->len <= FMC_VEC_ENTRY_MAX;
+}
+
+/* How many slices from s on can form one vector, within this round's limits. */
+static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int nentries, size_t bytes)
+{
+    int is_write = s->batch->opcode == FMC_OP_WRITE, k = 0;
+    for (const fmc_slice *x = s; x && k < FMC_VEC_MAX && x->batch == s->batch && vectorizable(p, x); x = x->next) {
+        if (nentries + k + 1 > FMC_IOV_MAX || (is_write && niov + 2 + k + 1 > FMC_IOV_MAX) ||
+            (k > 0 && bytes >= FMC_COALESCE_BYTES))
+            break;
+        if (is_write)
+            bytes += x->len;
+        k++;
+    }
+    return k;
+}
 
 /* One request header in the peer's framing; returns its length. */
 static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_t out[FMC_REQ_SIZE])
@@ -164,16 +184,46 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
  * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
 static int send_round(fmc_stream *st, send_scratch *sc, int64_t deadline_ms)
 {
-    int niov = 0, nh = 0, nw = 0;
+    int niov = 0, nh = 0, nw = 0, nent = 0;
     size_t bytes = 0;
     st->sending_active = 1;
     while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
         fmc_slice *s = st->pending.head;
+        int is_write = s->batch->opcode == FMC_OP_WRITE;
+        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes) : 1;
+        if (k >= 2) {
+            /* One header, the table of k entries, then (writes) the k payloads. */
+            uint8_t *table = sc->table[nent];
+            uint64_t sum = 0;
+            for (int j = 0; j < k; j++) {
+                fmc_slice *x = st->pending.head;
+                st->pending.head = x->next;
+                list_push(&st->inflight, x);
+                x->vec_n = j == 0 ? k : 1;
+                fmc_vec_entry_encode(sc->table[nent++], x->key, x->remote, x->len);
+                sum += x->len;
+            }
+            if (!st->pending.head)
+                st->pending.tail = NULL;
+            fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITEV : FMC_WIRE_OP_READV, .key = (uint32_t)k,
+                         .id = s->id, .addr = 0, .len = sum};
+            fmc_req_encode(sc->hdr[nh], &q);
+            sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
+            sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
+            bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
+            for (fmc_slice *x = s; is_write && k--; x = x->next) {
+                sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = x->len};
+                bytes += x->len;
+                x->sending = 1;
+                sc->writes[nw++] = x;
+            }
+            continue;
+        }
         st->pending.head = s->next;
         if (!st->pending.head)
             st->pending.tail = NULL;
         list_push(&st->inflight, s);
-        int is_write = s->batch->opcode == FMC_OP_WRITE;
+        s->vec_n = 1;
         size_t hlen = encode_request(st->peer->proto, s, is_write, sc->hdr[nh]);
         sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
         bytes += hlen;
@@ -271,6 +321,35 @@ static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s)
                ? 0 : -1;
 }
 
+/* The rest of a vector's answer `a` for the k slices on st->receiving (see fmc_wire.h): entry
+ * statuses when it failed, then a read's payloads, scattered straight into place.  Sets each
+ * slice's answer_status; -1 if the answer does not fit the request. */
+static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int k)
+{
+    int is_read = st->receiving.head->batch->opcode == FMC_OP_READ;
+    uint64_t expect = 0;
+    if (a->status != FMC_OK) {
+        if (a->len < (uint64_t)k * 4 || fmc_reader_fill(rd, (size_t)k * 4) < 0)
+            return -1;
+        expect = (uint64_t)k * 4;
+    }
+    struct iovec iov[FMC_VEC_MAX];
+    int n = 0, j = 0;
+    for (fmc_slice *x = st->receiving.head; x; x = x->next, j++) {
+        int32_t status = a->status == FMC_OK ? FMC_OK : (int32_t)fmc_get32(rd->buf + rd->start + 4 * (size_t)j);
+        x->answer_status = remote_status(status);
+        if (is_read && status == FMC_OK) {
+            iov[n++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = (size_t)x->len};
+            expect += x->len;
+        }
+    }
+    if (a->status != FMC_OK)
+        rd->start += (size_t)k * 4;
+    if (a->len != expect)
+        return -1;
+    return n ? fmc_reader_read_iov(rd, iov, n) : 0;
+}
+
 /* The next answer header in the peer's framing; -1 on EOF or an impossible status. */
 static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
 {
@@ -311,6 +390,8 @@ void *fmc_stream_recv_main(void *arg)
         stream_thread_exit(st);
         return NULL;
     }
+    if (st->peer->vectors)
+        rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
     fmc_slice_list done = {0};
     for (;;) {
         fmc_resp a;
@@ -322,6 +403,49 @@ void *fmc_stream_recv_main(void *arg)
         int broken = 0;
         for (;;) {
             fmc_slice *s = st->inflight.head;
+            if (s && s->vec_n >= 2) {
+                /* A vector's answer: its slices leave `inflight` together. */
+                int k = s->vec_n;
+                st->receiving.head = s;
+                for (int j = 1; j < k && s; j++)
+                    s = s->next;
+                if (!s || st->receiving.head->id != a.id) {
+                    st->receiving.head = NULL;
+                    pthread_mutex_unlock(&st->mu);
+                    fmc_engine_log(e, "peer %s:%d sent an answer that matches no request; stream closed",
+                                   st->peer->host, st->peer->data_port);
+                    broken = 1;
+                    break;
+                }
+                st->receiving.tail = s;
+                st->inflight.head = s->next;
+                if (!st->inflight.head)
+                    st->inflight.tail = NULL;
+                s->next = NULL;
+                pthread_mutex_unlock(&st->mu);
+                fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
+                done.head = done.tail = NULL;
+                if (receive_vector(st, &rd, &a, k) < 0) {
+                    fmc_engine_log(e, "peer %s:%d sent a vector answer that does not fit its request; stream closed",
+                                   st->peer->host, st->peer->data_port);
+                    broken = 1; /* `receiving` stays set: the exit path fails it */
+                    break;
+                }
+                pthread_mutex_lock(&st->mu);
+                for (fmc_slice *x = st->receiving.head, *next; x; x = next) {
+                    next = x->next;
+                    list_push(x->sending ? &st->answered : &done, x);
+                }
+                st->receiving.head = st->receiving.tail = NULL;
+                if (!answer_buffered(proto, &rd))
+                    break;
+                if (read_answer(proto, &rd, &a) < 0) {
+                    pthread_mutex_unlock(&st->mu);
+                    broken = 1;
+                    break;
+                }
+                continue;
+            }
             if (s && proto == FMC_PROTO_MOONCAKE) {
                 /* Mooncake answers carry no id: in-order delivery is the match. */
                 a.id = s->id;
@@ -340,7 +464,7 @@ void *fmc_stream_recv_main(void *arg)
                 st->inflight.tail = NULL;
             s->answer_status = remote_status(a.status);
             if (a.len) {
-                st->receiving = s;
+                list_push(&st->receiving, s);
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
@@ -349,7 +473,7 @@ void *fmc_stream_recv_main(void *arg)
                     break;
                 }
                 pthread_mutex_lock(&st->mu);
-                st->receiving = NULL;
+                st->receiving.head = st->receiving.tail = NULL;
             }
             /* Answered while sendmsg may still read its bytes (a target that answers early, or
              * one whose answer overtook the end of a long gather): the sender finishes it. */
@@ -732,6 +856,13 @@ int fmc_peer_lookup_keys(fmc_peer *p, int n, const uint64_t *remote, const uint6
 }
 
 /* The native preamble (and, with a shared secret, the authentication exchange) under a deadline. */
+/* FLAGCX_MC_VECTORS=0 keeps this initiator on single requests (comparisons, old targets). */
+static int vectors_wanted(void)
+{
+    const char *env = getenv("FLAGCX_MC_VECTORS");
+    return !(env && env[0] == '0');
+}
+
 static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
 {
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
@@ -740,8 +871,14 @@ static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
     pthread_mutex_lock(&p->engine->mu);
     secret = p->engine->secret;
     pthread_mutex_unlock(&p->engine->mu);
-    int rc = fmc_auth_client(fd, &secret);
+    uint32_t caps = 0;
+    int rc = fmc_auth_client(fd, &secret, vectors_wanted() ? FMC_PREAMBLE_VECTORS : 0, &caps);
     memset(&secret, 0, sizeof secret);
+    if (rc == FMC_OK) {
+        pthread_mutex_lock(&p->mu);
+        p->vectors = (caps & FMC_CAP_VECTORS) != 0; /* one target: every stream gets the same */
+        pthread_mutex_unlock(&p->mu);
+    }
     struct timeval zero = {0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof zero);
     return rc;

@@ -30,6 +30,10 @@ typedef struct {
     int nread_pins;
     fmc_region *held; /* pinned until a flush finds it unused; see pin() */
     int held_uses;
+    int vectors;                       /* the initiator may send vectors (fmc_wire.h) */
+    int32_t vec_status[FMC_VEC_MAX];   /* a vector answer's entry statuses, until its flush */
+    uint8_t *sink;                     /* refused vector entries are received here */
+    uint64_t requests, vectors_answered; /* answered since the last flush */
     uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
                                        (one shared atomic add per request made the streams contend) */
     fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
@@ -172,10 +176,12 @@ static int flush(conn_state *cs)
     for (int i = 0; i < cs->nread_pins; i++)
         unpin(cs, cs->read_pins[i]);
     release_held(cs); /* last: the uses above were counted against it */
-    if (cs->served_in | cs->served_out) {
+    if (cs->requests | cs->served_in | cs->served_out) {
         cs->e->stat_served_in += cs->served_in;
         cs->e->stat_served_out += cs->served_out;
-        cs->served_in = cs->served_out = 0;
+        cs->e->stat_requests += cs->requests;
+        cs->e->stat_vectors += cs->vectors_answered;
+        cs->served_in = cs->served_out = cs->requests = cs->vectors_answered = 0;
     }
     cs->niov = cs->nhdr = cs->nread_pins = 0;
     cs->out_bytes = 0;
@@ -185,6 +191,7 @@ static int flush(conn_state *cs)
 static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
     finish_gpu_write(cs); /* an earlier GPU write answers first */
+    cs->requests++;
     fmc_resp resp = {.id = id, .status = status, .len = data ? len : 0};
     uint8_t *h = cs->hdr[cs->nhdr++];
     fmc_resp_encode(h, &resp);
@@ -217,6 +224,16 @@ static void set_recv_timeout(int fd, int seconds)
 {
     struct timeval tv = {.tv_sec = seconds};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+/* An initiator that sends vectors gets small reads: a vector's payloads then stay in the socket
+ * until their destinations are known, and go there with one recvmsg. */
+#define FMC_VEC_READ_AHEAD (8u << 10)
+static void use_vectors(conn_state *cs, uint32_t caps)
+{
+    cs->vectors = (caps & FMC_CAP_VECTORS) != 0;
+    if (cs->vectors)
+        cs->rd.max_read = FMC_VEC_READ_AHEAD;
 }
 
 /* The first 8 bytes tell the framing: our preamble's magic, or (anything else) the `size` field
@@ -259,10 +276,11 @@ static int handshake(conn_state *cs)
     pthread_mutex_lock(&cs->e->mu);
     secret = cs->e->secret;
     pthread_mutex_unlock(&cs->e->mu);
+    uint32_t caps = (flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0;
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
     memcpy(reply, FMC_MAGIC_OK, 8);
     if (ok && secret.len) {
-        int rc = (flags & FMC_PREAMBLE_AUTH) ? fmc_auth_server(cs->c->fd, &secret, client_nonce)
+        int rc = (flags & FMC_PREAMBLE_AUTH) ? fmc_auth_server(cs->c->fd, &secret, client_nonce, caps)
                                              : FMC_ERR_REJECT_HANDSHAKE;
         memset(&secret, 0, sizeof secret);
         if (rc != FMC_OK) {
@@ -275,17 +293,21 @@ static int handshake(conn_state *cs)
             return -1;
         }
         set_recv_timeout(cs->c->fd, 0);
+        use_vectors(cs, caps);
         return WIRE_NATIVE;
     }
     fmc_put32(reply + 8, (uint32_t)(ok ? 0 : FMC_ERR_REMOTE_REFUSED));
+    fmc_put32(reply + 12, ok ? caps : 0);
     if (fmc_send_all(cs->c->fd, reply, sizeof reply) < 0 || !ok)
         return -1;
     set_recv_timeout(cs->c->fd, 0);
+    use_vectors(cs, caps);
     return WIRE_NATIVE;
 }
 
 static void queue_mooncake_status(conn_state *cs, int ok, void *data, uint64_t len)
 {
+    cs->requests++;
     uint8_t *h = cs->hdr[cs->nhdr++];
     fmc_put64(h, ok ? FMC_MC_STATUS_OK : FMC_MC_STATUS_REJECTED);
     cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_MC_STATUS_SIZE};
@@ -379,6 +401,147 @@ static int spin_for_more(fmc_reader *rd, size_t need)
     return 0;
 }
 
+/* Queue a vector's answer header, and its entry statuses when some entry failed. */
+static void queue_vector_answer(conn_state *cs, uint64_t id, int n, int failed, uint64_t len)
+{
+    cs->requests++;
+    cs->vectors_answered++;
+    fmc_resp resp = {.id = id, .status = failed ? FMC_ERR_REMOTE_REFUSED : FMC_OK,
+                     .len = len + (failed ? (uint64_t)n * 4 : 0)};
+    uint8_t *h = cs->hdr[cs->nhdr++];
+    fmc_resp_encode(h, &resp);
+    cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_RESP_SIZE};
+    cs->out_bytes += FMC_RESP_SIZE;
+    if (failed) {
+        for (int i = 0; i < n; i++)
+            cs->vec_status[i] = (int32_t)htole32((uint32_t)cs->vec_status[i]);
+        cs->iov[cs->niov++] = (struct iovec){.iov_base = cs->vec_status, .iov_len = (size_t)n * 4};
+        cs->out_bytes += (size_t)n * 4;
+    }
+}
+
+/* A vector request (fmc_wire.h): every entry is checked and pinned like a single request, then
+ * a write's payloads are received with one scatter read straight into place and a read's are
+ * sent with the answer's gather.  GPU entries go one by one through the staging buffer.
+ * Returns -1 to drop the connection. */
+static int serve_vector(conn_state *cs, const fmc_req *q)
+{
+    fmc_engine *e = cs->e;
+    int n = (int)q->key, is_write = q->opcode == FMC_WIRE_OP_WRITEV;
+    if (!cs->vectors || n < 2 || n > FMC_VEC_MAX || q->addr != 0) {
+        e->stat_protocol_errors++;
+        fmc_engine_log(e, "dropped a data connection: bad vector request (%d entries)", n);
+        return -1;
+    }
+    /* Room for the answer and its pins (reads), taken before anything is pinned. */
+    if ((cs->niov + n + 3 > FMC_IOV_MAX || cs->nread_pins + n > FMC_IOV_MAX || cs->gpu_pending.active) &&
+        flush(cs) < 0)
+        return -1;
+    if (fmc_reader_fill(&cs->rd, (size_t)n * FMC_VEC_ENTRY_SIZE) < 0)
+        return -1;
+    uint64_t addr[FMC_VEC_MAX], len[FMC_VEC_MAX], sum = 0, ok_bytes = 0, gpu_bytes = 0;
+    fmc_region *reg[FMC_VEC_MAX];
+    int failed = 0;
+    const uint8_t *t = cs->rd.buf + cs->rd.start;
+    for (int i = 0; i < n; i++, t += FMC_VEC_ENTRY_SIZE) {
+        uint32_t key = fmc_get32(t);
+        addr[i] = fmc_get64(t + 8);
+        len[i] = fmc_get64(t + 16);
+        if (len[i] == 0 || len[i] > FMC_VEC_ENTRY_MAX)
+            break;
+        sum += len[i];
+        reg[i] = pin(cs, addr[i], len[i], &key, is_write);
+        cs->vec_status[i] = reg[i] ? FMC_OK : FMC_ERR_REMOTE_REFUSED;
+        if (!reg[i]) {
+            fmc_req one = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ, .key = key,
+                           .addr = addr[i], .len = len[i]};
+            refuse(cs, &one);
+            failed = 1;
+            continue;
+        }
+        ok_bytes += len[i];
+        if (reg[i]->cuda_dev >= 0)
+            gpu_bytes += len[i];
+    }
+    int parsed = (int)((t - (cs->rd.buf + cs->rd.start)) / FMC_VEC_ENTRY_SIZE);
+    cs->rd.start += (size_t)n * FMC_VEC_ENTRY_SIZE;
+    if (parsed != n || sum != q->len) {
+        for (int i = 0; i < parsed; i++)
+            if (reg[i])
+                unpin(cs, reg[i]);
+        e->stat_protocol_errors++;
+        fmc_engine_log(e, "dropped a data connection: bad vector entry lengths");
+        return -1;
+    }
+    int rc = 0;
+    if (is_write) {
+        struct iovec iov[FMC_VEC_MAX];
+        if (failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
+            rc = -1;
+        if (rc == 0 && gpu_bytes == 0) {
+            for (int i = 0; i < n; i++)
+                iov[i] = (struct iovec){.iov_base = reg[i] ? (void *)(uintptr_t)addr[i] : cs->sink,
+                                        .iov_len = (size_t)len[i]};
+            rc = fmc_reader_read_iov(&cs->rd, iov, n);
+        }
+        for (int i = 0; rc == 0 && gpu_bytes && i < n; i++) {
+            if (!reg[i])
+                rc = fmc_reader_read_into(&cs->rd, cs->sink, (size_t)len[i]);
+            else if (reg[i]->cuda_dev < 0)
+                rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)addr[i], (size_t)len[i]);
+            else if (fmc_staging_reserve(&cs->stage, (size_t)len[i]) != 0 ||
+                     fmc_reader_read_into(&cs->rd, cs->stage.buf, (size_t)len[i]) < 0 ||
+                     fmc_cuda_copy(addr[i], (uint64_t)(uintptr_t)cs->stage.buf, (size_t)len[i], reg[i]->cuda_dev) != FMC_OK)
+                rc = -1;
+        }
+        for (int i = 0; i < n; i++)
+            if (reg[i])
+                unpin(cs, reg[i]);
+        if (rc < 0)
+            return -1;
+        cs->served_in += ok_bytes;
+        queue_vector_answer(cs, q->id, n, failed, 0);
+    } else {
+        /* GPU sources are copied out first, into the staging buffer the answer then points at;
+         * nothing is queued until every source is in place. */
+        void *src[FMC_VEC_MAX];
+        size_t off = 0;
+        if (gpu_bytes && fmc_staging_reserve(&cs->stage, (size_t)gpu_bytes) != 0)
+            rc = -1;
+        for (int i = 0; i < n; i++) {
+            src[i] = (void *)(uintptr_t)addr[i];
+            if (!reg[i] || reg[i]->cuda_dev < 0)
+                continue;
+            src[i] = rc == 0 ? cs->stage.buf + off : NULL;
+            if (rc == 0 && fmc_cuda_copy((uint64_t)(uintptr_t)src[i], addr[i], (size_t)len[i], reg[i]->cuda_dev) != FMC_OK)
+                rc = -1;
+            off += len[i];
+            unpin(cs, reg[i]);
+            reg[i] = NULL; /* staged: needs no pin any more */
+        }
+        if (rc < 0) {
+            for (int i = 0; i < n; i++)
+                if (reg[i])
+                    unpin(cs, reg[i]);
+            return -1;
+        }
+        queue_vector_answer(cs, q->id, n, failed, ok_bytes);
+        for (int i = 0; i < n; i++) {
+            if (cs->vec_status[i] != FMC_OK)
+                continue;
+            if (reg[i])
+                cs->read_pins[cs->nread_pins++] = reg[i];
+            cs->iov[cs->niov++] = (struct iovec){.iov_base = src[i], .iov_len = (size_t)len[i]};
+            cs->out_bytes += len[i];
+        }
+        cs->served_out += ok_bytes;
+    }
+    /* Statuses and staged bytes live in per-connection buffers: send them before they are reused. */
+    if ((failed || gpu_bytes) && flush(cs) < 0)
+        return -1;
+    return 0;
+}
+
 static void serve(conn_state *cs)
 {
     fmc_engine *e = cs->e;
@@ -408,6 +571,15 @@ static void serve(conn_state *cs)
         fmc_req q;
         fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
         cs->rd.start += FMC_REQ_SIZE;
+        if (q.opcode == FMC_WIRE_OP_WRITEV || q.opcode == FMC_WIRE_OP_READV) {
+            if (q.len == 0 || q.len > FMC_MAX_WIRE_LEN || serve_vector(cs, &q) < 0)
+                break;
+            if (cs->niov + 2 > FMC_IOV_MAX || cs->out_bytes >= FMC_FLUSH_BYTES) {
+                if (flush(cs) < 0)
+                    break;
+            }
+            continue;
+        }
         if ((q.opcode != FMC_WIRE_OP_WRITE && q.opcode != FMC_WIRE_OP_READ) || q.len == 0 ||
             q.len > FMC_MAX_WIRE_LEN) {
             e->stat_protocol_errors++;
@@ -487,6 +659,7 @@ static void *conn_main(void *arg)
     fmc_reader_free(&cs->rd);
     fmc_staging_release(&cs->stage);
     fmc_staging_release(&cs->stage2);
+    free(cs->sink);
     free(c);
     free(cs);
     return NULL;

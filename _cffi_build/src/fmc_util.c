@@ -68,6 +68,7 @@ int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
 {
     r->fd = fd;
     r->cap = cap;
+    r->max_read = 0;
     r->start = r->end = 0;
     r->buf = malloc(cap);
     return r->buf ? 0 : FMC_ERR_MEMORY;
@@ -77,6 +78,14 @@ void fmc_reader_free(fmc_reader *r)
 {
     free(r->buf);
     r->buf = NULL;
+}
+
+/* Bytes one recv may take: the free space, capped by max_read (but at least `need`). */
+static size_t reader_room(const fmc_reader *r, size_t need)
+{
+    size_t room = r->cap - r->end;
+    size_t want = r->max_read > need ? r->max_read : need;
+    return r->max_read && want < room ? want : room;
 }
 
 static void reader_compact(fmc_reader *r)
@@ -99,7 +108,7 @@ int fmc_reader_fill(fmc_reader *r, size_t n)
     if (r->cap - r->start < n)
         reader_compact(r);
     while (r->end - r->start < n) {
-        ssize_t got = recv(r->fd, r->buf + r->end, r->cap - r->end, 0);
+        ssize_t got = recv(r->fd, r->buf + r->end, reader_room(r, n - (r->end - r->start)), 0);
         if (got > 0) {
             r->end += (size_t)got;
         } else if (got < 0 && errno == EINTR) {
@@ -117,7 +126,7 @@ int fmc_reader_try_more(fmc_reader *r)
     if (r->end == r->cap)
         return 1;
     for (;;) {
-        ssize_t got = recv(r->fd, r->buf + r->end, r->cap - r->end, MSG_DONTWAIT);
+        ssize_t got = recv(r->fd, r->buf + r->end, reader_room(r, 0), MSG_DONTWAIT);
         if (got > 0) {
             r->end += (size_t)got;
             return 1;
@@ -142,6 +151,31 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
         return 0;
     /* The rest is large or not here yet: read it straight into place. */
     return fmc_recv_all(r->fd, (uint8_t *)dst + take, n - take);
+}
+
+static void iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
+
+int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
+{
+    while (iovcnt > 0 && r->end > r->start) {
+        size_t take = r->end - r->start < iov->iov_len ? r->end - r->start : iov->iov_len;
+        memcpy(iov->iov_base, r->buf + r->start, take);
+        r->start += take;
+        iov_advance(&iov, &iovcnt, take);
+    }
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    while (iovcnt > 0) {
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)(iovcnt < FMC_IOV_MAX ? iovcnt : FMC_IOV_MAX);
+        ssize_t got = recvmsg(r->fd, &msg, MSG_WAITALL);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            return -1;
+        iov_advance(&iov, &iovcnt, (size_t)got);
+    }
+    return 0;
 }
 
 int fmc_reader_skip(fmc_reader *r, size_t n)

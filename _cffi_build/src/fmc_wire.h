@@ -12,7 +12,18 @@
  * followed, for a write, by `len` payload bytes.  The target answers every request, in order:
  *     u64 id; i32 status; u32 reserved; u64 len
  * followed, for a successful read, by `len` bytes.  A write is answered only after its bytes are
- * in the target's memory. */
+ * in the target's memory.
+ *
+ * Vectors (when the initiator sets FMC_PREAMBLE_VECTORS and the target's answer carries
+ * FMC_CAP_VECTORS in its last u32): opcode 3 (write) or 4 (read) with `key` = n entries (2 to
+ * FMC_VEC_MAX), `id` = the first entry's id, `addr` = 0 and `len` = the sum of the entries'
+ * lengths, then n entries of 24 bytes:
+ *     u32 key; u32 reserved; u64 addr; u64 len        (len 1 to FMC_VEC_ENTRY_MAX)
+ * followed, for a write, by the n payloads back to back.  One answer covers the vector: status 0
+ * with len 0 (write) or the sum of the lengths followed by the n payloads (read); or a non-zero
+ * status with a table of n i32 entry statuses, then, for a read, the payloads of the entries
+ * whose status is 0, and len = 4n + those bytes.  A vector of small slices costs one header and
+ * one answer, and each side moves its payloads with one scatter/gather call and no extra copy. */
 #ifndef FMC_WIRE_H
 #define FMC_WIRE_H
 
@@ -29,6 +40,14 @@
 #define FMC_NONCE_SIZE 16
 #define FMC_WIRE_OP_WRITE 1
 #define FMC_WIRE_OP_READ 2
+#define FMC_WIRE_OP_WRITEV 3
+#define FMC_WIRE_OP_READV 4
+#define FMC_PREAMBLE_VECTORS 2u    /* preamble flag: this initiator can send vectors */
+#define FMC_CAP_VECTORS 1u         /* preamble answer, last u32: this target takes vectors */
+#define FMC_VEC_MAX 256            /* entries in one vector */
+#define FMC_VEC_ENTRY_MAX (64u << 10) /* largest entry: bigger slices go alone (no gain, and a
+                                       * refused entry is skipped through a buffer this size) */
+#define FMC_VEC_ENTRY_SIZE 24
 /* Largest slice a target accepts in one request; larger requests are a protocol error. */
 #define FMC_MAX_WIRE_LEN (64ull << 20)
 
@@ -75,6 +94,14 @@ static inline void fmc_req_decode(const uint8_t in[FMC_REQ_SIZE], fmc_req *r)
     r->id = fmc_get64(in + 8);
     r->addr = fmc_get64(in + 16);
     r->len = fmc_get64(in + 24);
+}
+
+static inline void fmc_vec_entry_encode(uint8_t out[FMC_VEC_ENTRY_SIZE], uint32_t key, uint64_t addr, uint64_t len)
+{
+    fmc_put32(out, key);
+    fmc_put32(out + 4, 0);
+    fmc_put64(out + 8, addr);
+    fmc_put64(out + 16, len);
 }
 
 static inline void fmc_resp_encode(uint8_t out[FMC_RESP_SIZE], const fmc_resp *r)

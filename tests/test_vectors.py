@@ -1,0 +1,110 @@
+"""Vector requests: many small slices in one request, payloads scattered straight into place.
+
+Batches of small blocks travel as vectors when both ends take them (negotiated per connection;
+FLAGCX_MC_VECTORS=0 keeps an initiator on single requests).  Content is verified both ways, the
+target's counters show which path carried the bytes, and an entry the target refuses fails only
+its own task while the rest of the vector lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, errors
+from flagcx_mc.node import NodeProcess
+from flagcx_mc.transfer import OP_WRITE, TransferRequest
+
+# Mixed sizes, small ones (vector entries go up to 64 KiB) and a few that travel alone.
+BLOCKS = [1, 3, 512, 4096, 4096, 9000, 65536, 65537, 300_000]
+
+
+def _layout(n: int, seed: int):
+    """n blocks of random BLOCKS sizes at shuffled, non-overlapping remote offsets."""
+    rng = random.Random(seed)
+    lens = [rng.choice(BLOCKS) for _ in range(n)]
+    offsets, pos = [], 0
+    for length in lens:
+        offsets.append(pos)
+        pos += length
+    remote_order = list(range(n))
+    rng.shuffle(remote_order)
+    remote_offsets, rpos = [0] * n, 0
+    for i in remote_order:
+        remote_offsets[i] = rpos
+        rpos += lens[i]
+    return lens, offsets, remote_offsets, pos
+
+
+@pytest.fixture
+async def initiator(local_buf, monkeypatch, request):
+    if request.param == "single":
+        monkeypatch.setenv("FLAGCX_MC_VECTORS", "0")  # read when the data connections open
+    async with AsyncTransferEngine(transfer_timeout=10.0) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, local_buf.size)
+        yield request.param, eng
+
+
+@pytest.mark.parametrize("initiator", ["vectors", "single"], indirect=True)
+async def test_mixed_small_blocks_land_exactly_on_either_path(initiator, node, local_buf):
+    path, engine = initiator
+    lens, offsets, remote_offsets, total = _layout(700, seed=7)
+    local = [local_buf.addr + o for o in offsets]
+    remote = [node.addr(0, o) for o in remote_offsets]
+    before = node.call("stats")
+
+    local_buf.fill_random(0, total)
+    await engine.batch_transfer_sync_write(node.session, local, remote, lens)
+    expected = bytearray(total)
+    for length, lo, ro in zip(lens, offsets, remote_offsets):
+        expected[ro:ro + length] = local_buf.read(lo, length)
+    assert node.call("digest", region=0, offset=0, length=total)["digest"] == hashlib.sha256(expected).hexdigest()
+
+    sent = local_buf.digest(0, total)
+    local_buf.fill(0, 0, total)
+    await engine.batch_transfer_sync_read(node.session, local, remote, lens)
+    assert local_buf.digest(0, total) == sent
+    assert node.call("guards")["intact"]
+
+    after = node.call("stats")
+    vectors = after["vectors_served"] - before["vectors_served"]
+    requests = after["requests_served"] - before["requests_served"]
+    if path == "vectors":
+        assert vectors > 0 and requests < len(lens), (vectors, requests)  # many slices per request
+    else:
+        assert vectors == 0 and requests >= 2 * len(lens), (vectors, requests)
+
+
+async def test_a_refused_entry_fails_only_its_task(engine, local_buf):
+    """The target unregisters one region after the initiator read its table: the vector that
+    interleaves both regions lands in the live one, and the batch reports the refusal."""
+    block, n = 4096, 64
+    with NodeProcess(regions=[n * block, n * block], config={"transfer_timeout": 10.0}) as target:
+        warm = local_buf.fill_random(0, block)
+        await engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), block)
+        assert target.call("digest", region=0, offset=0, length=block)["digest"] == warm
+        target.call("set", region=0, byte=0)
+        dead_base = target.addr(1)
+        assert target.call("unregister", region=1)["rc"] == 0
+
+        local = [local_buf.addr + i * block for i in range(n)]
+        remote = [target.addr(0, i * block) if i % 2 == 0 else dead_base + i * block for i in range(n)]
+        local_buf.fill_random(0, n * block)
+        # Through the core, which keeps each task's outcome (the facades report the batch's).
+        session = await engine._require_sessions().get(target.session)
+        batch = TransferRequest.build(OP_WRITE, local, remote, [block] * n).submit(session)
+        rc, why = await asyncio.to_thread(batch.wait, 10_000)
+        assert rc == errors.RemoteRefusedError.code, why
+        statuses = [batch.task_status(i) for i in range(n)]
+        assert all(s == 0 for s in statuses[0::2]), statuses  # the live region's tasks succeeded
+        assert all(s == errors.RemoteRefusedError.code for s in statuses[1::2]), statuses
+        for i in range(0, n, 2):
+            got = target.call("digest", region=0, offset=i * block, length=block)["digest"]
+            assert got == local_buf.digest(i * block, block), f"task {i}"
+        stats = target.call("stats")
+        assert stats["requests_refused"] >= n // 2 and stats["vectors_served"] >= 1, stats
+        assert target.call("guards")["intact"]
