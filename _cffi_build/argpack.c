@@ -41,6 +41,15 @@ static int element_u64(PyObject *v, int list, Py_ssize_t i, uint64_t *out)
     return 0;
 }
 
+/* Lengths (list 2) are summed as they are packed. */
+static inline void continue_total(int list, uint64_t x, uint64_t *total, int *overflow)
+{
+    if (list == 2) {
+        *overflow |= *total + x < *total;
+        *total += x;
+    }
+}
+
 /* pack3(buffers, peer_addresses, lengths) -> (bytearray, n, total_bytes) */
 static PyObject *pack3(PyObject *self, PyObject *args)
 {
@@ -66,7 +75,8 @@ static PyObject *pack3(PyObject *self, PyObject *args)
     if (out == NULL)
         goto done;
     uint64_t *dst = (uint64_t *)PyByteArray_AS_STRING(out);
-    memset(dst, 0, 3 * slots * sizeof(uint64_t));
+    if (n == 0)
+        memset(dst, 0, 3 * sizeof(uint64_t));
     uint64_t total = 0;
     int overflow = 0;
     for (int k = 0; k < 3; k++) {
@@ -74,21 +84,21 @@ static PyObject *pack3(PyObject *self, PyObject *args)
         uint64_t *row = dst + k * slots;
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *v = items[i];
-            if (PyLong_CheckExact(v)) { /* the common case: a plain int */
-                unsigned long long x = PyLong_AsUnsignedLongLong(v);
-                if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-                    PyErr_Clear();
-                    PyErr_Format(PyExc_ValueError, "%s must lie in [0, 2**64) (element %zd)", WHAT[k], i);
-                    goto done;
+            if (PyLong_CheckExact(v)) { /* the common case: a plain int below 2**63 */
+                int over = 0;
+                long long x = PyLong_AsLongLongAndOverflow(v, &over);
+                if (over == 0 && x >= 0) {
+                    row[i] = (uint64_t)x;
+                    continue_total(k, row[i], &total, &overflow);
+                    continue;
                 }
-                row[i] = (uint64_t)x;
-            } else if (element_u64(v, k, i, &row[i]) < 0) {
+                if (x == -1 && PyErr_Occurred())
+                    goto done;
+            }
+            if (element_u64(v, k, i, &row[i]) < 0) {
                 goto done;
             }
-            if (k == 2) {
-                overflow |= total + row[i] < total;
-                total += row[i];
-            }
+            continue_total(k, row[i], &total, &overflow);
         }
     }
     if (overflow) {

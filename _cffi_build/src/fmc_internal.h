@@ -220,7 +220,8 @@ typedef struct fmc_stream {
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
-    fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread */
+    fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
+    fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;
     int threads_alive;
     int started;

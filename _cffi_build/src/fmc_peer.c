@@ -309,16 +309,61 @@ static int remote_status(int32_t status)
     return FMC_ERR_SOCKET;
 }
 
-/* A read's payload: straight into host memory, or through staging into GPU memory. */
-static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s)
+/* A read into GPU memory whose host-to-device copy is still running: the receiver reads the
+ * next payload into the other staging buffer meanwhile.  The slice stays on st->receiving (so a
+ * cancel cuts the stream) and is finished once its copy has landed. */
+typedef struct {
+    fmc_slice *s;
+    int in_stage2;
+} gpu_landing;
+
+static void receiving_remove(fmc_stream *st, fmc_slice *x)
 {
-    if (s->local_dev < 0)
+    fmc_slice **pp = &st->receiving.head, *prev = NULL;
+    while (*pp && *pp != x) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp)
+        return;
+    *pp = x->next;
+    if (st->receiving.tail == x)
+        st->receiving.tail = prev;
+}
+
+/* Wait for the pending copy, then hand its slice to `done`.  Called without st->mu. */
+static void land_pending(fmc_stream *st, gpu_landing *g, fmc_slice_list *done)
+{
+    if (!g->s)
+        return;
+    if (fmc_cuda_wait(g->s->local_dev) != FMC_OK)
+        g->s->answer_status = FMC_ERR_DEVICE_NOT_FOUND;
+    pthread_mutex_lock(&st->mu);
+    receiving_remove(st, g->s);
+    pthread_mutex_unlock(&st->mu);
+    list_push(done, g->s);
+    g->s = NULL;
+}
+
+/* A read's payload: straight into host memory, or into a staging buffer whose copy to the GPU
+ * then runs while the next payload arrives (the previous pending one is landed first).  A
+ * payload into host memory lands the pending one first, so `done` keeps answer order. */
+static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_landing *g, fmc_slice_list *done)
+{
+    if (s->local_dev < 0) {
+        land_pending(st, g, done);
         return fmc_reader_read_into(rd, (void *)(uintptr_t)s->local, (size_t)s->len);
-    if (fmc_staging_reserve(&st->recv_stage, (size_t)s->len) != 0 ||
-        fmc_reader_read_into(rd, st->recv_stage.buf, (size_t)s->len) < 0)
+    }
+    int use2 = g->s && !g->in_stage2;
+    fmc_staging *stage = use2 ? &st->recv_stage2 : &st->recv_stage;
+    if (fmc_staging_reserve(stage, (size_t)s->len) != 0 || fmc_reader_read_into(rd, stage->buf, (size_t)s->len) < 0)
         return -1;
-    return fmc_cuda_copy(s->local, (uint64_t)(uintptr_t)st->recv_stage.buf, (size_t)s->len, s->local_dev) == FMC_OK
-               ? 0 : -1;
+    land_pending(st, g, done);
+    if (fmc_cuda_copy_async(s->local, (uint64_t)(uintptr_t)stage->buf, (size_t)s->len, s->local_dev) != FMC_OK)
+        return -1;
+    g->s = s;
+    g->in_stage2 = use2;
+    return 1; /* lands later: land_pending finishes it */
 }
 
 /* The rest of a vector's answer `a` for the k slices on st->receiving (see fmc_wire.h): entry
@@ -393,8 +438,11 @@ void *fmc_stream_recv_main(void *arg)
     if (st->peer->vectors)
         rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
     fmc_slice_list done = {0};
+    gpu_landing gpu = {0};
     for (;;) {
         fmc_resp a;
+        if (!answer_buffered(proto, &rd))
+            land_pending(st, &gpu, &done); /* before this thread may block on the socket */
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         done.head = done.tail = NULL;
         if (read_answer(proto, &rd, &a) < 0)
@@ -403,6 +451,13 @@ void *fmc_stream_recv_main(void *arg)
         int broken = 0;
         for (;;) {
             fmc_slice *s = st->inflight.head;
+            if (s && s->vec_n >= 2 && gpu.s) {
+                /* `receiving` is about to hold the vector: land the pending GPU read first. */
+                pthread_mutex_unlock(&st->mu);
+                land_pending(st, &gpu, &done);
+                pthread_mutex_lock(&st->mu);
+                s = st->inflight.head;
+            }
             if (s && s->vec_n >= 2) {
                 /* A vector's answer: its slices leave `inflight` together. */
                 int k = s->vec_n;
@@ -468,12 +523,23 @@ void *fmc_stream_recv_main(void *arg)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                if (receive_payload(st, &rd, s) < 0) {
+                int got = receive_payload(st, &rd, s, &gpu, &done);
+                if (got < 0) {
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
                 }
                 pthread_mutex_lock(&st->mu);
-                st->receiving.head = st->receiving.tail = NULL;
+                if (got == 1) { /* its copy to the GPU lands later */
+                    if (!answer_buffered(proto, &rd))
+                        break;
+                    if (read_answer(proto, &rd, &a) < 0) {
+                        pthread_mutex_unlock(&st->mu);
+                        broken = 1;
+                        break;
+                    }
+                    continue;
+                }
+                receiving_remove(st, s);
             }
             /* Answered while sendmsg may still read its bytes (a target that answers early, or
              * one whose answer overtook the end of a long gather): the sender finishes it. */
@@ -490,6 +556,7 @@ void *fmc_stream_recv_main(void *arg)
             break;
         pthread_mutex_unlock(&st->mu);
     }
+    land_pending(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
     fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
     fmc_reader_free(&rd);
     stream_thread_exit(st);
@@ -1012,6 +1079,7 @@ void fmc_peer_release(fmc_peer *p)
     for (int i = 0; i < p->nstreams; i++) {
         fmc_staging_release(&p->streams[i].send_stage);
         fmc_staging_release(&p->streams[i].recv_stage);
+        fmc_staging_release(&p->streams[i].recv_stage2);
         pthread_mutex_destroy(&p->streams[i].mu);
         pthread_cond_destroy(&p->streams[i].cv);
     }
