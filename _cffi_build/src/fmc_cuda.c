@@ -43,6 +43,11 @@ static struct {
     CUresult (*stream_create)(void **, unsigned int);
     CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, void *);
     CUresult (*stream_synchronize)(void *);
+    /* Optional (CUDA 12.8+): many copies in one call.  CUDA 13 names the form without failIdx
+     * cuMemcpyBatchAsync_v2; older drivers have only the one with it. */
+    CUresult (*batch_v2)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t, void *);
+    CUresult (*batch_v1)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t, size_t *, void *);
+    int batch_broken; /* the driver refused a batch once: copy one by one from then on */
     CUcontext ctx[FMC_CUDA_MAX_DEVICES];
     void *stream[FMC_CUDA_MAX_DEVICES];
 } cu;
@@ -77,6 +82,9 @@ static int load(void)
     SYM(memcpy_async, "cuMemcpyAsync");
     SYM(stream_synchronize, "cuStreamSynchronize");
 #undef SYM
+    *(void **)&cu.batch_v2 = dlsym(cu.lib, "cuMemcpyBatchAsync_v2");
+    if (!cu.batch_v2)
+        *(void **)&cu.batch_v1 = dlsym(cu.lib, "cuMemcpyBatchAsync");
     return cu.init(0) == 0 ? 0 : -1;
 }
 
@@ -150,6 +158,49 @@ int fmc_cuda_copy_async(uint64_t dst, uint64_t src, size_t len, int device)
     void *stream = stream_of(device);
     return stream && cu.memcpy_async((CUdeviceptr)dst, (CUdeviceptr)src, len, stream) == 0 ? FMC_OK
                                                                                          : FMC_ERR_DEVICE_NOT_FOUND;
+}
+
+/* CUmemcpyAttributes (cuda.h): source access order, source and destination location hints
+ * (type, id), flags. */
+typedef struct {
+    int src_access_order;
+    int src_loc_type, src_loc_id;
+    int dst_loc_type, dst_loc_id;
+    unsigned int flags;
+} fmc_cu_memcpy_attributes;
+#define FMC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM 1
+
+int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device)
+{
+    /* Neighbours contiguous on both sides become one copy (KV pages often are). */
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (m > 0 && dst[m - 1] + len[m - 1] == dst[i] && src[m - 1] + len[m - 1] == src[i]) {
+            len[m - 1] += len[i];
+            continue;
+        }
+        dst[m] = dst[i];
+        src[m] = src[i];
+        len[m] = len[i];
+        m++;
+    }
+    void *stream = stream_of(device);
+    if (!stream)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    if (m > 1 && !__atomic_load_n(&cu.batch_broken, __ATOMIC_RELAXED) && (cu.batch_v2 || cu.batch_v1)) {
+        fmc_cu_memcpy_attributes attr = {.src_access_order = FMC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM};
+        size_t idx = 0, fail = 0;
+        CUresult r = cu.batch_v2 ? cu.batch_v2((CUdeviceptr *)dst, (CUdeviceptr *)src, len, (size_t)m, &attr, &idx, 1, stream)
+                                 : cu.batch_v1((CUdeviceptr *)dst, (CUdeviceptr *)src, len, (size_t)m, &attr, &idx, 1, &fail, stream);
+        if (r == 0)
+            return FMC_OK;
+        /* Refused as a whole (no copy was queued): fall back, and do not ask again. */
+        __atomic_store_n(&cu.batch_broken, 1, __ATOMIC_RELAXED);
+    }
+    for (int i = 0; i < m; i++)
+        if (cu.memcpy_async((CUdeviceptr)dst[i], (CUdeviceptr)src[i], len[i], stream) != 0)
+            return FMC_ERR_DEVICE_NOT_FOUND;
+    return FMC_OK;
 }
 
 int fmc_cuda_wait(int device)

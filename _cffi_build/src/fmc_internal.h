@@ -81,6 +81,9 @@ int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device);
 int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device); /* returns once landed */
 int fmc_cuda_copy_async(uint64_t dst, uint64_t src, size_t len, int device); /* then fmc_cuda_wait */
 int fmc_cuda_wait(int device);
+/* Queue n copies (arrays are rewritten: contiguous neighbours merge), as one batch call where the
+ * driver has one; then fmc_cuda_wait. */
+int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device);
 void *fmc_staging_alloc(size_t len, int *pinned);
 void fmc_staging_free(void *p, int pinned);
 

@@ -240,11 +240,28 @@ static int enter(fmc_sh_ctrl *c, _Atomic uint64_t *busy, const fmc_sh_route *r, 
     return FMC_OK;
 }
 
+/* Arrays of one run of GPU copies, allocated on the first GPU run of a call. */
+typedef struct {
+    uint64_t dst[SH_IOV], src[SH_IOV];
+    size_t len[SH_IOV];
+} copy_scratch;
+
+static int copy_tasks_with(copy_scratch **scp, fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n,
+                           const uint64_t *local, const uint64_t *remote, const uint64_t *lens,
+                           const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms);
+
 /* Copy every task in the calling thread: host regions with process_vm_writev/readv (consecutive
- * tasks of one region in one syscall), GPU regions with cuMemcpy through their IPC mapping. */
+ * tasks of one region in one syscall), GPU regions with cuMemcpy through their IPC mapping
+ * (a region's run of copies queued as one batch). */
 static int copy_tasks(fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n, const uint64_t *local,
-                              const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
-                              const fmc_sh_route *routes, int64_t deadline_ms);
+                      const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
+                      const fmc_sh_route *routes, int64_t deadline_ms)
+{
+    copy_scratch *sc = NULL;
+    int rc = copy_tasks_with(&sc, p, busy, opcode, n, local, remote, lens, local_dev, routes, deadline_ms);
+    free(sc);
+    return rc;
+}
 
 /* Each copy in flight owns one of the peer's busy words (a shared word could hide one thread's
  * copy from unregister while another thread clears it), so up to FMC_SH_WORDS_PER_PEER threads
@@ -267,9 +284,9 @@ int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const
     return rc;
 }
 
-static int copy_tasks(fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n, const uint64_t *local,
-                              const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
-                              const fmc_sh_route *routes, int64_t deadline_ms)
+static int copy_tasks_with(copy_scratch **scp, fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n,
+                           const uint64_t *local, const uint64_t *remote, const uint64_t *lens,
+                           const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms)
 {
     fmc_sh_ctrl *c = p->sh;
     struct iovec liov[SH_IOV], riov[SH_IOV];
@@ -285,22 +302,26 @@ static int copy_tasks(fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n, co
         }
         const fmc_sh_route *r = &routes[i];
         if (r->dev >= 0) {
+            if (!*scp && !(*scp = malloc(sizeof **scp)))
+                return FMC_ERR_MEMORY;
+            copy_scratch *sc = *scp;
             /* GPU memory over there, mapped here by CUDA IPC: queue the copies of consecutive tasks
              * into this region on one stream, wait once, and only then leave the fence. */
             int rc = enter(c, busy, r, remote[i]);
             if (rc != FMC_OK)
                 return rc;
-            int dev = r->dev, j = i;
-            for (; j < n && rc == FMC_OK; j++) {
+            int dev = r->dev, j = i, k = 0;
+            for (; j < n; j++) {
                 const fmc_sh_route *q = &routes[j];
                 if (lens[j] == 0)
                     continue;
-                if (q->dev != dev || q->slot != r->slot || q->gen != r->gen)
+                if (q->dev != dev || q->slot != r->slot || q->gen != r->gen || k == SH_IOV)
                     break;
-                uint64_t dst = opcode == FMC_OP_WRITE ? q->mapped : local[j];
-                uint64_t src = opcode == FMC_OP_WRITE ? local[j] : q->mapped;
-                rc = fmc_cuda_copy_async(dst, src, (size_t)lens[j], dev);
+                sc->dst[k] = opcode == FMC_OP_WRITE ? q->mapped : local[j];
+                sc->src[k] = opcode == FMC_OP_WRITE ? local[j] : q->mapped;
+                sc->len[k++] = (size_t)lens[j];
             }
+            rc = fmc_cuda_copy_many_async(sc->dst, sc->src, sc->len, k, dev);
             int waited = fmc_cuda_wait(dev);
             atomic_store(busy, 0);
             if (rc != FMC_OK || waited != FMC_OK) {
