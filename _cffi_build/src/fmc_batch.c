@@ -169,22 +169,16 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         free(keys);
         return FMC_ERR_MEMORY;
     }
-    for (int i = 0; i < n; i++) {
-        ldev[i] = -1;
-        if (lens[i] == 0)
-            continue;
-        int dev = -1;
-        if (!fmc_local_range_ok(p->engine, local[i], lens[i], opcode == FMC_OP_READ, &dev)) {
-            fmc_set_error("local range [0x%llx, +%llu) (entry %d) is not inside one registered%s region",
-                          (unsigned long long)local[i], (unsigned long long)lens[i], i,
-                          opcode == FMC_OP_READ ? " writable" : "");
-            free(keys);
-            free(ldev);
-            return FMC_ERR_ADDRESS_NOT_REGISTERED;
-        }
-        ldev[i] = dev;
-        nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
+    if (!fmc_local_ranges_ok(p->engine, n, local, lens, opcode == FMC_OP_READ, ldev, &bad)) {
+        fmc_set_error("local range [0x%llx, +%llu) (entry %d) is not inside one registered%s region",
+                      (unsigned long long)local[bad], (unsigned long long)lens[bad], bad,
+                      opcode == FMC_OP_READ ? " writable" : "");
+        free(keys);
+        free(ldev);
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
     }
+    for (int i = 0; i < n; i++)
+        nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
     if (p->sh) {
         rc = same_host(p, opcode, n, local, remote, lens, ldev, out, inline_deadline_ms);
         if (rc != 1) {

@@ -307,12 +307,24 @@ int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *k
     return n;
 }
 
-int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write, int *cuda_dev)
+int fmc_local_ranges_ok(fmc_engine *e, int n, const uint64_t *addr, const uint64_t *len, int need_write,
+                        int32_t *cuda_dev, int *bad_index)
 {
     pthread_mutex_lock(&e->mu);
-    fmc_region *r = fmc_registry_find(&e->reg, addr, len);
-    int ok = r != NULL && (!need_write || r->writable); /* a read lands with memcpy: needs write */
-    *cuda_dev = r ? r->cuda_dev : -1;
+    const fmc_region *r = NULL; /* consecutive tasks mostly share a region: try the last one first */
+    for (int i = 0; i < n; i++) {
+        cuda_dev[i] = -1;
+        if (len[i] == 0)
+            continue;
+        if (!r || addr[i] < r->addr || len[i] > r->len || addr[i] - r->addr > r->len - len[i])
+            r = fmc_registry_find(&e->reg, addr[i], len[i]);
+        if (!r || (need_write && !r->writable)) { /* a read lands with memcpy: needs write */
+            pthread_mutex_unlock(&e->mu);
+            *bad_index = i;
+            return 0;
+        }
+        cuda_dev[i] = r->cuda_dev;
+    }
     pthread_mutex_unlock(&e->mu);
-    return ok;
+    return 1;
 }

@@ -171,8 +171,10 @@ struct fmc_engine {
 
 void fmc_engine_log(fmc_engine *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void *fmc_server_accept_main(void *arg);
-/* 1 if the range lies in one registered region (writable if asked); *cuda_dev gets its GPU. */
-int fmc_local_range_ok(fmc_engine *e, uint64_t addr, uint64_t len, int need_write, int *cuda_dev);
+/* 1 if every range lies in one registered region (writable if asked), with cuda_dev[i] its GPU
+ * (-1: host memory); one lock for all.  On failure *bad_index names the first bad range. */
+int fmc_local_ranges_ok(fmc_engine *e, int n, const uint64_t *addr, const uint64_t *len, int need_write,
+                        int32_t *cuda_dev, int *bad_index);
 
 /* ---------------------------------------------------------------- batches and peers */
 typedef struct fmc_slice {
