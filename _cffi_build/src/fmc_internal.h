@@ -225,6 +225,7 @@ typedef struct fmc_stream {
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
+    struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
     fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;

@@ -101,7 +101,7 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
     return FMC_OK;
 }
 
-typedef struct {
+typedef struct send_scratch {
     uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
     uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
     struct iovec iov[FMC_IOV_MAX];
@@ -182,8 +182,11 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
  * pending non-empty and no other round in progress; returns with st->mu held.  The slices move
  * to `inflight` before the first byte leaves, because their answers may come back before
  * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
-static int send_round(fmc_stream *st, send_scratch *sc, int64_t deadline_ms)
+static int send_round(fmc_stream *st, int64_t deadline_ms)
 {
+    if (!st->scratch && !(st->scratch = malloc(sizeof *st->scratch)))
+        return -1;
+    send_scratch *sc = st->scratch;
     int niov = 0, nh = 0, nw = 0, nent = 0;
     size_t bytes = 0;
     st->sending_active = 1;
@@ -259,14 +262,13 @@ static int send_round(fmc_stream *st, send_scratch *sc, int64_t deadline_ms)
 void *fmc_stream_send_main(void *arg)
 {
     fmc_stream *st = arg;
-    send_scratch sc;
     pthread_mutex_lock(&st->mu);
     for (;;) {
         while (!st->dead && (!st->pending.head || st->sending_active))
             pthread_cond_wait(&st->cv, &st->mu);
         if (st->dead)
             break;
-        if (send_round(st, &sc, -1) < 0)
+        if (send_round(st, -1) < 0)
             break;
     }
     pthread_mutex_unlock(&st->mu);
@@ -291,9 +293,7 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
         pthread_mutex_unlock(&st->mu);
         return FMC_OK;
     }
-    send_scratch *sc = malloc(sizeof *sc);
-    int rc = sc ? send_round(st, sc, deadline_ms) : -1;
-    free(sc);
+    int rc = send_round(st, deadline_ms);
     if (st->pending.head)
         pthread_cond_signal(&st->cv);
     pthread_mutex_unlock(&st->mu);
@@ -1078,6 +1078,7 @@ void fmc_peer_release(fmc_peer *p)
     fmc_peer_close(p);
     for (int i = 0; i < p->nstreams; i++) {
         fmc_staging_release(&p->streams[i].send_stage);
+        free(p->streams[i].scratch);
         fmc_staging_release(&p->streams[i].recv_stage);
         fmc_staging_release(&p->streams[i].recv_stage2);
         pthread_mutex_destroy(&p->streams[i].mu);
