@@ -434,7 +434,8 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
         return -1;
     }
     /* Room for the answer and its pins (reads), taken before anything is pinned. */
-    if ((cs->niov + n + 3 > FMC_IOV_MAX || cs->nread_pins + n > FMC_IOV_MAX || cs->gpu_pending.active) &&
+    if ((cs->niov + n + 3 > FMC_IOV_MAX || cs->nread_pins + n > FMC_IOV_MAX || cs->c->npins + n >= FMC_MAX_PINS ||
+         cs->gpu_pending.active) &&
         flush(cs) < 0)
         return -1;
     if (fmc_reader_fill(&cs->rd, (size_t)n * FMC_VEC_ENTRY_SIZE) < 0)
