@@ -108,3 +108,27 @@ async def test_a_refused_entry_fails_only_its_task(engine, local_buf):
         stats = target.call("stats")
         assert stats["requests_refused"] >= n // 2 and stats["vectors_served"] >= 1, stats
         assert target.call("guards")["intact"]
+
+
+async def test_vectors_across_many_regions_both_ways(engine, local_buf):
+    """Entries that alternate between many target regions: each one is checked and pinned on its
+    own (only the first region of a flush window is held), and every byte lands where it should."""
+    regions, block, per_region = 24, 4096, 16
+    with NodeProcess(regions=[block * per_region] * regions, config={"transfer_timeout": 10.0}) as target:
+        count = regions * per_region
+        # Task i goes to region i % regions, slot i // regions: consecutive tasks change region.
+        remote = [target.addr(i % regions, (i // regions) * block) for i in range(count)]
+        local = [local_buf.addr + i * block for i in range(count)]
+        local_buf.fill_random(0, count * block)
+        before = target.call("stats")["vectors_served"]
+        await engine.batch_transfer_sync_write(target.session, local, remote, [block] * count)
+        for r in range(regions):
+            expected = b"".join(local_buf.read(i * block, block) for i in range(r, count, regions))
+            got = target.call("digest", region=r)["digest"]
+            assert got == hashlib.sha256(expected).hexdigest(), f"region {r}"
+        sent = local_buf.digest(0, count * block)
+        local_buf.fill(0, 0, count * block)
+        await engine.batch_transfer_sync_read(target.session, local, remote, [block] * count)
+        assert local_buf.digest(0, count * block) == sent
+        assert target.call("stats")["vectors_served"] > before
+        assert target.call("guards")["intact"]
