@@ -609,6 +609,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
 }
 
 static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key);
+static int region_index_locked(const fmc_peer *p, uint64_t addr, uint64_t len, int hint);
 
 int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *lens, const uint32_t *keys, int n)
 {
@@ -841,13 +842,12 @@ int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uin
                            fmc_sh_route *routes)
 {
     pthread_mutex_lock(&p->mu);
-    int ok = 1;
+    int ok = 1, last = -1;
     for (int i = 0; i < n && ok; i++) {
         routes[i] = (fmc_sh_route){.slot = -1, .dev = -1};
         if (lens[i] == 0)
             continue;
-        uint64_t base;
-        int idx = find_locked(p, remote[i], lens[i], &base, NULL) == FMC_OK ? index_of_locked(p, base) : -1;
+        int idx = last = region_index_locked(p, remote[i], lens[i], last);
         if (idx < 0 || p->r_slot[idx] < 0) {
             ok = 0;
             break;
@@ -867,24 +867,38 @@ int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uin
     return ok;
 }
 
-static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key)
+/* Index of the peer region that wholly holds [addr, addr+len), or -1.  `hint` (an index or -1)
+ * is tried first: the tasks of a batch mostly fall in the region of the one before. */
+static int region_index_locked(const fmc_peer *p, uint64_t addr, uint64_t len, int hint)
 {
     if (len == 0 || addr + len < addr)
-        return FMC_ERR_ADDRESS_NOT_REGISTERED;
-    int lo = 0, hi = p->r_count - 1, idx = -1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2;
-        if (p->r_addr[mid] <= addr) {
-            idx = mid;
-            lo = mid + 1;
-        } else {
-            hi = mid - 1;
+        return -1;
+    int idx = hint;
+    if (idx < 0 || idx >= p->r_count || p->r_addr[idx] > addr) {
+        int lo = 0, hi = p->r_count - 1;
+        idx = -1;
+        while (lo <= hi) {
+            int mid = lo + (hi - lo) / 2;
+            if (p->r_addr[mid] <= addr) {
+                idx = mid;
+                lo = mid + 1;
+            } else {
+                hi = mid - 1;
+            }
         }
+        if (idx < 0)
+            return -1;
     }
-    if (idx < 0)
-        return FMC_ERR_ADDRESS_NOT_REGISTERED;
     uint64_t off = addr - p->r_addr[idx];
     if (off >= p->r_len[idx] || len > p->r_len[idx] - off)
+        return hint >= 0 && idx == hint ? region_index_locked(p, addr, len, -1) : -1;
+    return idx;
+}
+
+static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key)
+{
+    int idx = region_index_locked(p, addr, len, -1);
+    if (idx < 0)
         return FMC_ERR_ADDRESS_NOT_REGISTERED;
     if (base)
         *base = p->r_addr[idx];
@@ -907,12 +921,15 @@ int fmc_peer_lookup_keys(fmc_peer *p, int n, const uint64_t *remote, const uint6
                          int *bad_index)
 {
     pthread_mutex_lock(&p->mu);
+    int last = -1;
     for (int i = 0; i < n; i++) {
-        if (lens[i] == 0) {
-            keys[i] = 0;
+        keys[i] = 0;
+        if (lens[i] == 0)
             continue;
-        }
-        if (find_locked(p, remote[i], lens[i], NULL, &keys[i]) != FMC_OK) {
+        last = region_index_locked(p, remote[i], lens[i], last);
+        if (last >= 0) {
+            keys[i] = p->r_key[last];
+        } else {
             pthread_mutex_unlock(&p->mu);
             *bad_index = i;
             return FMC_ERR_ADDRESS_NOT_REGISTERED;
