@@ -148,14 +148,8 @@ def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -
             return _finish(exp)  # protocol error: dropped, nothing answered for it
         hit = _find(regions, addr, length, key, op == 1)
         if op == 1:
-            got = min(length, n - pos)
-            if hit:
-                i, off = hit
-                exp.memory[i][off:off + got] = stream[pos:pos + got]
-                exp.writes.append((len(exp.chunks), i, off, got))
-            pos += got
-            exp.consumed = pos
-            if got < length:
+            pos = _land_payload(stream, pos, length, hit, exp)
+            if pos < 0:
                 return _finish(exp)  # the payload ended early: dropped unanswered
             exp.answer(RESP.pack(ident, 0 if hit else REFUSED, 0, 0))
         elif hit:
@@ -166,6 +160,18 @@ def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -
             exp.answer(RESP.pack(ident, REFUSED, 0, 0))
     exp.consumed = n
     return _finish(exp)
+
+
+def _land_payload(stream: bytes, pos: int, length: int, hit, exp: Expected) -> int:
+    """A write payload at pos: what arrived lands if the range was accepted (a refused one is
+    read and dropped).  The position after it, or -1 if the stream ended inside it."""
+    got = min(length, len(stream) - pos)
+    if hit:
+        i, off = hit
+        exp.memory[i][off:off + got] = stream[pos:pos + got]
+        exp.writes.append((len(exp.chunks), i, off, got))
+    exp.consumed = pos + got
+    return pos + got if got == length else -1
 
 
 def _simulate_vector(stream: bytes, pos: int, regions: List[GuardedRegion], exp: Expected, write: bool, count: int,
@@ -190,14 +196,8 @@ def _simulate_vector(stream: bytes, pos: int, regions: List[GuardedRegion], exp:
     failed = not all(hits)
     if write:
         for (_, _, length), hit in zip(entries, hits):
-            got = min(length, n - pos)
-            if hit:
-                i, off = hit
-                exp.memory[i][off:off + got] = stream[pos:pos + got]
-                exp.writes.append((len(exp.chunks), i, off, got))
-            pos += got
-            exp.consumed = pos
-            if got < length:
+            pos = _land_payload(stream, pos, length, hit, exp)
+            if pos < 0:
                 return -1  # the payloads ended early: dropped unanswered
         exp.answer(RESP.pack(ident, REFUSED if failed else 0, 0, 4 * count if failed else 0))
         if failed:

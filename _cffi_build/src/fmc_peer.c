@@ -492,14 +492,7 @@ void *fmc_stream_recv_main(void *arg)
                     list_push(x->sending ? &st->answered : &done, x);
                 }
                 st->receiving.head = st->receiving.tail = NULL;
-                if (!answer_buffered(proto, &rd))
-                    break;
-                if (read_answer(proto, &rd, &a) < 0) {
-                    pthread_mutex_unlock(&st->mu);
-                    broken = 1;
-                    break;
-                }
-                continue;
+                goto next_answer;
             }
             if (s && proto == FMC_PROTO_MOONCAKE) {
                 /* Mooncake answers carry no id: in-order delivery is the match. */
@@ -529,21 +522,14 @@ void *fmc_stream_recv_main(void *arg)
                     break;
                 }
                 pthread_mutex_lock(&st->mu);
-                if (got == 1) { /* its copy to the GPU lands later */
-                    if (!answer_buffered(proto, &rd))
-                        break;
-                    if (read_answer(proto, &rd, &a) < 0) {
-                        pthread_mutex_unlock(&st->mu);
-                        broken = 1;
-                        break;
-                    }
-                    continue;
-                }
+                if (got == 1) /* its copy to the GPU lands later */
+                    goto next_answer;
                 receiving_remove(st, s);
             }
             /* Answered while sendmsg may still read its bytes (a target that answers early, or
              * one whose answer overtook the end of a long gather): the sender finishes it. */
             list_push(s->sending ? &st->answered : &done, s);
+        next_answer: /* take the next answer only if it is already here */
             if (!answer_buffered(proto, &rd))
                 break;
             if (read_answer(proto, &rd, &a) < 0) {
