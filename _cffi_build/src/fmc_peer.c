@@ -106,6 +106,8 @@ typedef struct send_scratch {
     uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
     struct iovec iov[FMC_IOV_MAX];
     fmc_slice *writes[FMC_IOV_MAX]; /* write slices of the current sendmsg */
+    uint64_t copy_dst[FMC_IOV_MAX], copy_src[FMC_IOV_MAX]; /* its GPU sources' staging copies */
+    size_t copy_len[FMC_IOV_MAX];
 } send_scratch;
 
 /* Small host-memory slices of one batch travel as vectors when the target takes them. */
@@ -155,23 +157,33 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
         return 0;
     if (fmc_staging_reserve(&st->send_stage, need) != 0)
         return -1;
-    /* Queue every copy of the round on the devices' streams, then wait once per device used. */
+    /* Queue every copy of the round (runs of one device as one batch, contiguous sources merged
+     * into one copy, since the staging side is contiguous), then wait once per device used. */
     size_t off = 0;
-    int rc = 0;
+    int rc = 0, n = 0, run_dev = -1;
     uint64_t devices = 0; /* bit per GPU ordinal < 64 that got copies */
     for (int i = 0, v = 0; v < niov && i < nw; v++) {
         fmc_slice *s = sc->writes[i];
         if (sc->iov[v].iov_base != (void *)(uintptr_t)s->local || sc->iov[v].iov_len != s->len)
-            continue; /* a header */
-        if (s->local_dev >= 0 && rc == 0) {
+            continue; /* a header or a vector table */
+        if (s->local_dev >= 0) {
+            if (n > 0 && s->local_dev != run_dev) {
+                rc |= fmc_cuda_copy_many_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev);
+                n = 0;
+            }
+            run_dev = s->local_dev;
             uint8_t *dst = st->send_stage.buf + off;
-            rc = fmc_cuda_copy_async((uint64_t)(uintptr_t)dst, s->local, (size_t)s->len, s->local_dev);
+            sc->copy_dst[n] = (uint64_t)(uintptr_t)dst;
+            sc->copy_src[n] = s->local;
+            sc->copy_len[n++] = (size_t)s->len;
             devices |= 1ull << (s->local_dev & 63);
             sc->iov[v].iov_base = dst;
             off += s->len;
         }
         i++;
     }
+    if (n > 0)
+        rc |= fmc_cuda_copy_many_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev);
     for (int d = 0; d < 64; d++)
         if ((devices >> d) & 1)
             rc |= fmc_cuda_wait(d);
