@@ -4,6 +4,11 @@ Runs where a CUDA driver and device exist (the H200 machine); skipped elsewhere 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from flagcx_mc import TransferEngine
@@ -120,3 +125,40 @@ def test_prefill_on_one_gpu_decode_on_another(transport, size):
         eng.close()
         node.close()
         src.close()
+
+
+def test_vmm_memory_from_torch_expandable_segments_moves_through_staging():
+    """Memory from cuMemCreate (torch's expandable segments) has no CUDA IPC handle: the region is
+    still registered, the reason is logged, and a same-host peer moves its bytes through the
+    pinned-staging TCP path instead of failing."""
+    pytest.importorskip("torch")  # the child allocates the VMM memory through torch
+
+    size = 8 << 20
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gpu_vmm_child.py"), str(size)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        info = json.loads(child.stdout.readline())
+        assert info["rc"] == 0
+        eng = TransferEngine(transfer_timeout=30.0)
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        src = DeviceBuffer(size, 0)
+        assert eng.register_memory(src.addr, size, "cuda:0") == 0
+        digest = src.fill_random(0, size)
+        assert eng.transfer_sync_write(info["session"], src.addr, info["addr"], size) == 0
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == digest
+        src.fill(0, 0, size)
+        assert eng.transfer_sync_read(info["session"], src.addr, info["addr"], size) == 0
+        assert src.digest(0, size) == digest
+        eng.close()
+        src.close()
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        child.stdout.close()
