@@ -70,6 +70,29 @@ def test_gpu_batches_scattered(gpu_pair):
     assert node.call("digest", region=1, offset=0, length=block * count)["digest"] == hashlib.sha256(expected).hexdigest()
 
 
+@pytest.mark.parametrize("local_kind", ["host", "gpu"])
+def test_gpu_runs_of_contiguous_writes_with_gaps(gpu_pair, local_kind):
+    """Writes into GPU memory whose destinations follow each other are copied as one run on the
+    target; a gap, a full run or the end of the batch closes a run.  Every byte lands, in
+    order, and nothing lands in the gaps."""
+    import hashlib
+
+    eng, node, bufs = gpu_pair
+    local = bufs[local_kind]
+    block, count = 64 << 10, 300
+    slots = [i + i // 7 for i in range(count)]  # runs of 7 contiguous blocks, then a one-block gap
+    span = (slots[-1] + 1) * block
+    node.call("set", region=1, byte=0xEE, offset=0, length=span)
+    local.fill_random(0, block * count)
+    remote = _region_addr(node, 1)
+    assert eng.batch_transfer_sync_write(node.session, [local.addr + i * block for i in range(count)],
+                                         [remote + s * block for s in slots], [block] * count) == 0
+    expected = bytearray(b"\xee" * span)
+    for i, s in enumerate(slots):
+        expected[s * block:(s + 1) * block] = local.read(i * block, block)
+    assert node.call("digest", region=1, offset=0, length=span)["digest"] == hashlib.sha256(expected).hexdigest()
+
+
 def test_gpu_range_past_its_allocation_is_refused(gpu_pair):
     eng, node, bufs = gpu_pair
     assert eng.transfer_sync_write(node.session, bufs["gpu"].addr + SIZE - 8, _region_addr(node, 1), 16) == -3

@@ -18,6 +18,17 @@
 #define FMC_FLUSH_BYTES (4u << 20)
 #define FMC_PREAMBLE_TIMEOUT_MS 5000
 
+#define FMC_GPU_RUN_BYTES (2u << 20) /* a run of contiguous GPU writes is copied as one, up to this */
+#define FMC_GPU_RUN_MAX 64           /* and up to this many writes */
+
+typedef struct {
+    int n; /* writes in the run; 0: none */
+    int in_stage2, dev;
+    uint64_t addr, len; /* the destination range so far */
+    uint64_t ids[FMC_GPU_RUN_MAX];
+    fmc_region *region; /* pinned by the run's first write, which covers the others */
+} gpu_run;
+
 typedef struct {
     fmc_engine *e;
     fmc_server_conn *c;
@@ -38,13 +49,10 @@ typedef struct {
                                        (one shared atomic add per request made the streams contend) */
     fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
     fmc_staging stage2;
-    /* A write into GPU memory whose host-to-device copy is still running, so that the next
-     * payload is received while it runs; answered (and unpinned) once the copy has landed. */
-    struct {
-        int active, in_stage2, dev;
-        uint64_t id, len;
-        fmc_region *region;
-    } gpu_pending;
+    /* Writes into GPU memory: `gpu_open` collects consecutive writes whose destinations follow
+     * each other into one staging buffer; `gpu_flying` is the run whose host-to-device copy is
+     * running while the next one is received.  Answered (and unpinned) once its copy landed. */
+    gpu_run gpu_open, gpu_flying;
 } conn_state;
 
 /* Regions are pinned (refs, under the engine lock) while a request touches them; unregister waits
@@ -127,49 +135,95 @@ static void release_held(conn_state *cs)
 static void unpin(conn_state *cs, fmc_region *r);
 static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
-/* Answer the pending GPU write once its copy has landed (answers keep request order, so this runs
- * before any other answer is queued, and before a flush). */
-static void finish_gpu_write(conn_state *cs)
+static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
+
+/* Send what is queued now (pins stay until the flush): room for a run's answers. */
+static int send_queued(conn_state *cs)
 {
-    if (!cs->gpu_pending.active)
-        return;
-    int rc = fmc_cuda_wait(cs->gpu_pending.dev);
-    unpin(cs, cs->gpu_pending.region);
-    cs->gpu_pending.active = 0;
-    if (rc == FMC_OK)
-        cs->served_in += cs->gpu_pending.len;
-    queue_answer(cs, cs->gpu_pending.id, rc == FMC_OK ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
+    int rc = cs->niov ? fmc_sendv_all(cs->c->fd, cs->iov, cs->niov) : 0;
+    cs->niov = cs->nhdr = 0;
+    cs->out_bytes = 0;
+    return rc;
 }
 
-/* A write into GPU memory: receive the payload into the staging buffer the pending copy is not
- * using (overlapping that copy), answer the pending one, then start this one's copy and keep the
- * region pinned until it lands.  Returns -1 on a broken connection. */
+/* Answer the writes of the run in flight once its copy has landed. */
+static void land_flying(conn_state *cs)
+{
+    gpu_run *f = &cs->gpu_flying;
+    if (!f->n)
+        return;
+    int rc = fmc_cuda_wait(f->dev);
+    unpin(cs, f->region);
+    if (rc == FMC_OK)
+        cs->served_in += f->len;
+    int n = f->n;
+    f->n = 0;
+    if (cs->niov + n + 2 > FMC_IOV_MAX)
+        send_queued(cs); /* a failure shows at the next send */
+    for (int i = 0; i < n; i++)
+        push_answer(cs, f->ids[i], rc == FMC_OK ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
+}
+
+/* Land the run in flight, then start the open run's copy: it becomes the one in flight. */
+static void launch_open(conn_state *cs)
+{
+    gpu_run *o = &cs->gpu_open;
+    if (!o->n)
+        return;
+    land_flying(cs);
+    const fmc_staging *st = o->in_stage2 ? &cs->stage2 : &cs->stage;
+    if (fmc_cuda_copy_async(o->addr, (uint64_t)(uintptr_t)st->buf, (size_t)o->len, o->dev) != FMC_OK) {
+        unpin(cs, o->region);
+        for (int i = 0; i < o->n; i++)
+            push_answer(cs, o->ids[i], FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
+        o->n = 0;
+        return;
+    }
+    cs->gpu_flying = *o;
+    o->n = 0;
+}
+
+/* Every GPU write received so far landed and answered: answers keep request order, so this runs
+ * before any other answer is queued, and before a flush. */
+static void finish_gpu_writes(conn_state *cs)
+{
+    launch_open(cs);
+    land_flying(cs);
+}
+
+/* A write into GPU memory.  It joins the open run when its destination follows the run's (a
+ * paged KV layout often does), so that one copy serves many writes; otherwise the open run's
+ * copy starts and this write opens the next run in the other staging buffer, received while
+ * that copy runs.  Returns -1 on a broken connection. */
 static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len)
 {
-    int use2 = cs->gpu_pending.active && !cs->gpu_pending.in_stage2;
-    fmc_staging *st = use2 ? &cs->stage2 : &cs->stage;
-    if (fmc_staging_reserve(st, (size_t)len) != 0 || fmc_reader_read_into(&cs->rd, st->buf, (size_t)len) < 0) {
+    gpu_run *o = &cs->gpu_open;
+    fmc_staging *st = o->in_stage2 ? &cs->stage2 : &cs->stage;
+    if (o->n && r == o->region && addr == o->addr + o->len && o->n < FMC_GPU_RUN_MAX && o->len + len <= st->cap) {
+        int rc = fmc_reader_read_into(&cs->rd, st->buf + o->len, (size_t)len);
+        unpin(cs, r); /* the run's first pin holds the region */
+        if (rc < 0)
+            return -1;
+        o->ids[o->n++] = id;
+        o->len += len;
+        return 0;
+    }
+    launch_open(cs);
+    int use2 = cs->gpu_flying.n && !cs->gpu_flying.in_stage2;
+    st = use2 ? &cs->stage2 : &cs->stage;
+    if (fmc_staging_reserve(st, len > FMC_GPU_RUN_BYTES ? (size_t)len : FMC_GPU_RUN_BYTES) != 0 ||
+        fmc_reader_read_into(&cs->rd, st->buf, (size_t)len) < 0) {
         unpin(cs, r);
         return -1;
     }
-    finish_gpu_write(cs);
-    if (fmc_cuda_copy_async(addr, (uint64_t)(uintptr_t)st->buf, (size_t)len, r->cuda_dev) != FMC_OK) {
-        unpin(cs, r);
-        queue_answer(cs, id, FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
-        return 0;
-    }
-    cs->gpu_pending.active = 1;
-    cs->gpu_pending.in_stage2 = use2;
-    cs->gpu_pending.dev = r->cuda_dev;
-    cs->gpu_pending.id = id;
-    cs->gpu_pending.len = len;
-    cs->gpu_pending.region = r;
+    *o = (gpu_run){.n = 1, .in_stage2 = use2, .dev = r->cuda_dev, .addr = addr, .len = len, .region = r};
+    o->ids[0] = id;
     return 0;
 }
 
 static int flush(conn_state *cs)
 {
-    finish_gpu_write(cs);
+    finish_gpu_writes(cs);
     int rc = 0;
     if (cs->niov)
         rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
@@ -190,7 +244,12 @@ static int flush(conn_state *cs)
 
 static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
-    finish_gpu_write(cs); /* an earlier GPU write answers first */
+    finish_gpu_writes(cs); /* earlier GPU writes answer first */
+    push_answer(cs, id, status, data, len);
+}
+
+static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
+{
     cs->requests++;
     fmc_resp resp = {.id = id, .status = status, .len = data ? len : 0};
     uint8_t *h = cs->hdr[cs->nhdr++];
@@ -435,7 +494,7 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
     }
     /* Room for the answer and its pins (reads), taken before anything is pinned. */
     if ((cs->niov + n + 3 > FMC_IOV_MAX || cs->nread_pins + n > FMC_IOV_MAX || cs->c->npins + n >= FMC_MAX_PINS ||
-         cs->gpu_pending.active) &&
+         cs->gpu_open.n || cs->gpu_flying.n) &&
         flush(cs) < 0)
         return -1;
     if (fmc_reader_fill(&cs->rd, (size_t)n * FMC_VEC_ENTRY_SIZE) < 0)
