@@ -55,12 +55,6 @@ void fmc_slices_finish(fmc_slice *s, int status)
     }
 }
 
-void fmc_slice_finish(fmc_slice *s, int status)
-{
-    s->next = NULL;
-    fmc_slices_finish(s, status);
-}
-
 static void mark_error(fmc_batch *b, int status)
 {
     pthread_mutex_lock(&b->mu);

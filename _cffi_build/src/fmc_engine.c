@@ -316,7 +316,7 @@ int fmc_local_ranges_ok(fmc_engine *e, int n, const uint64_t *addr, const uint64
         cuda_dev[i] = -1;
         if (len[i] == 0)
             continue;
-        if (!r || addr[i] < r->addr || len[i] > r->len || addr[i] - r->addr > r->len - len[i])
+        if (!r || !fmc_region_holds(r, addr[i], len[i]))
             r = fmc_registry_find(&e->reg, addr[i], len[i]);
         if (!r || (need_write && !r->writable)) { /* a read lands with memcpy: needs write */
             pthread_mutex_unlock(&e->mu);

@@ -124,6 +124,12 @@ typedef struct {
     int count, cap;
 } fmc_registry;
 
+/* 1 if r wholly holds [addr, addr+len) (len > 0, no wrap-around: checked by the caller). */
+static inline int fmc_region_holds(const fmc_region *r, uint64_t addr, uint64_t len)
+{
+    return addr >= r->addr && addr - r->addr <= r->len && len <= r->len - (addr - r->addr);
+}
+
 /* Returns the region that wholly holds [addr, addr+len), or NULL.  Caller holds engine->mu. */
 fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len);
 int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key, int writable);
@@ -286,7 +292,6 @@ int fmc_peer_lookup_routes(struct fmc_peer *p, int n, const uint64_t *remote, co
                            const int32_t *local_dev, fmc_sh_route *routes);
 int fmc_sh_transfer(struct fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                     const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms);
-void fmc_slice_finish(fmc_slice *s, int status);
 /* A list of slices, each with `status`, or with its own answer_status if status is FMC_TASK_PENDING. */
 void fmc_slices_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);

@@ -429,6 +429,11 @@ static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
     return 0;
 }
 
+static void log_bad_answer(fmc_stream *st, const char *what)
+{
+    fmc_engine_log(st->peer->engine, "peer %s:%d sent %s; stream closed", st->peer->host, st->peer->data_port, what);
+}
+
 /* An answer header is already buffered: it can be taken without a syscall. */
 static int answer_buffered(int proto, const fmc_reader *rd)
 {
@@ -440,7 +445,6 @@ static int answer_buffered(int proto, const fmc_reader *rd)
 void *fmc_stream_recv_main(void *arg)
 {
     fmc_stream *st = arg;
-    fmc_engine *e = st->peer->engine;
     int proto = st->peer->proto;
     fmc_reader rd;
     if (fmc_reader_init(&rd, st->fd, 64u << 10) != 0) {
@@ -479,8 +483,7 @@ void *fmc_stream_recv_main(void *arg)
                 if (!s || st->receiving.head->id != a.id) {
                     st->receiving.head = NULL;
                     pthread_mutex_unlock(&st->mu);
-                    fmc_engine_log(e, "peer %s:%d sent an answer that matches no request; stream closed",
-                                   st->peer->host, st->peer->data_port);
+                    log_bad_answer(st, "an answer that matches no request");
                     broken = 1;
                     break;
                 }
@@ -493,8 +496,7 @@ void *fmc_stream_recv_main(void *arg)
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
                 if (receive_vector(st, &rd, &a, k) < 0) {
-                    fmc_engine_log(e, "peer %s:%d sent a vector answer that does not fit its request; stream closed",
-                                   st->peer->host, st->peer->data_port);
+                    log_bad_answer(st, "a vector answer that does not fit its request");
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
                 }
@@ -514,8 +516,7 @@ void *fmc_stream_recv_main(void *arg)
             int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
             if (!s || s->id != a.id || a.len != (carries_data ? s->len : 0)) {
                 pthread_mutex_unlock(&st->mu);
-                fmc_engine_log(e, "peer %s:%d sent an answer that matches no request; stream closed",
-                               st->peer->host, st->peer->data_port);
+                log_bad_answer(st, "an answer that matches no request");
                 broken = 1;
                 break;
             }
@@ -865,32 +866,31 @@ int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uin
     return ok;
 }
 
+/* 1 if peer region i wholly holds [addr, addr+len). */
+static int region_holds_locked(const fmc_peer *p, int i, uint64_t addr, uint64_t len)
+{
+    return addr >= p->r_addr[i] && addr - p->r_addr[i] < p->r_len[i] && len <= p->r_len[i] - (addr - p->r_addr[i]);
+}
+
 /* Index of the peer region that wholly holds [addr, addr+len), or -1.  `hint` (an index or -1)
  * is tried first: the tasks of a batch mostly fall in the region of the one before. */
 static int region_index_locked(const fmc_peer *p, uint64_t addr, uint64_t len, int hint)
 {
     if (len == 0 || addr + len < addr)
         return -1;
-    int idx = hint;
-    if (idx < 0 || idx >= p->r_count || p->r_addr[idx] > addr) {
-        int lo = 0, hi = p->r_count - 1;
-        idx = -1;
-        while (lo <= hi) {
-            int mid = lo + (hi - lo) / 2;
-            if (p->r_addr[mid] <= addr) {
-                idx = mid;
-                lo = mid + 1;
-            } else {
-                hi = mid - 1;
-            }
+    if (hint >= 0 && hint < p->r_count && region_holds_locked(p, hint, addr, len))
+        return hint;
+    int lo = 0, hi = p->r_count - 1, idx = -1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (p->r_addr[mid] <= addr) {
+            idx = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
         }
-        if (idx < 0)
-            return -1;
     }
-    uint64_t off = addr - p->r_addr[idx];
-    if (off >= p->r_len[idx] || len > p->r_len[idx] - off)
-        return hint >= 0 && idx == hint ? region_index_locked(p, addr, len, -1) : -1;
-    return idx;
+    return idx >= 0 && region_holds_locked(p, idx, addr, len) ? idx : -1;
 }
 
 static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key)
@@ -937,7 +937,6 @@ int fmc_peer_lookup_keys(fmc_peer *p, int n, const uint64_t *remote, const uint6
     return FMC_OK;
 }
 
-/* The native preamble (and, with a shared secret, the authentication exchange) under a deadline. */
 /* FLAGCX_MC_VECTORS=0 keeps this initiator on single requests (comparisons, old targets). */
 static int vectors_wanted(void)
 {
@@ -945,6 +944,7 @@ static int vectors_wanted(void)
     return !(env && env[0] == '0');
 }
 
+/* The native preamble (and, with a shared secret, the authentication exchange) under a deadline. */
 static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
 {
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};

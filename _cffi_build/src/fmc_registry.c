@@ -35,9 +35,7 @@ fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len)
     if (i < 0)
         return NULL;
     fmc_region *r = reg->items[i];
-    if (addr - r->addr > r->len || len > r->len - (addr - r->addr))
-        return NULL;
-    return r;
+    return fmc_region_holds(r, addr, len) ? r : NULL;
 }
 
 int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key, int writable)

@@ -75,8 +75,8 @@ static int region_accepts(const fmc_region *r, const uint32_t *key, int for_writ
 static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
 {
     fmc_region *h = cs->held;
-    if (h && addr >= h->addr && len <= h->len && addr - h->addr <= h->len - len &&
-        region_accepts(h, key, for_write) && !__atomic_load_n(&h->removed, __ATOMIC_ACQUIRE)) {
+    if (h && fmc_region_holds(h, addr, len) && region_accepts(h, key, for_write) &&
+        !__atomic_load_n(&h->removed, __ATOMIC_ACQUIRE)) {
         cs->held_uses++;
         return h;
     }
@@ -131,9 +131,6 @@ static void release_held(conn_state *cs)
     cs->held = NULL;
     pthread_mutex_unlock(&cs->e->mu);
 }
-
-static void unpin(conn_state *cs, fmc_region *r);
-static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
 static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
@@ -248,14 +245,20 @@ static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data
     push_answer(cs, id, status, data, len);
 }
 
-static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
+/* Queue one answer header (native framing) announcing `len` bytes to follow. */
+static void push_header(conn_state *cs, uint64_t id, int32_t status, uint64_t len)
 {
     cs->requests++;
-    fmc_resp resp = {.id = id, .status = status, .len = data ? len : 0};
+    fmc_resp resp = {.id = id, .status = status, .len = len};
     uint8_t *h = cs->hdr[cs->nhdr++];
     fmc_resp_encode(h, &resp);
     cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_RESP_SIZE};
     cs->out_bytes += FMC_RESP_SIZE;
+}
+
+static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
+{
+    push_header(cs, id, status, data ? len : 0);
     if (data) {
         cs->iov[cs->niov++] = (struct iovec){.iov_base = data, .iov_len = (size_t)len};
         cs->out_bytes += len;
@@ -463,14 +466,8 @@ static int spin_for_more(fmc_reader *rd, size_t need)
 /* Queue a vector's answer header, and its entry statuses when some entry failed. */
 static void queue_vector_answer(conn_state *cs, uint64_t id, int n, int failed, uint64_t len)
 {
-    cs->requests++;
     cs->vectors_answered++;
-    fmc_resp resp = {.id = id, .status = failed ? FMC_ERR_REMOTE_REFUSED : FMC_OK,
-                     .len = len + (failed ? (uint64_t)n * 4 : 0)};
-    uint8_t *h = cs->hdr[cs->nhdr++];
-    fmc_resp_encode(h, &resp);
-    cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_RESP_SIZE};
-    cs->out_bytes += FMC_RESP_SIZE;
+    push_header(cs, id, failed ? FMC_ERR_REMOTE_REFUSED : FMC_OK, len + (failed ? (uint64_t)n * 4 : 0));
     if (failed) {
         for (int i = 0; i < n; i++)
             cs->vec_status[i] = (int32_t)htole32((uint32_t)cs->vec_status[i]);
