@@ -25,6 +25,11 @@ def boot_id() -> str:
         return ""
 
 
+def _whole_region(mapping, length: int):
+    """A shared mapping (memfd, size) published for a region only if it covers the whole region."""
+    return mapping if mapping is not None and mapping[1] == length else None
+
+
 class LocalSegment:
     """Builds the segment descriptor from the core's registry; serves Metadata/Probe/Notify."""
 
@@ -53,7 +58,7 @@ class LocalSegment:
                 version=NATIVE_VERSION,
                 data_port=self._core.data_port,
                 regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._cuda(a),
-                                         shm=shared.get(a) if shared.get(a, (0, -1))[1] == n else None)
+                                         shm=_whole_region(shared.get(a), n))
                               for (a, n, k), (sl, g) in zip(table, slots)),
                 boot_id=self._boot_id,
                 pid=os.getpid(),

@@ -46,8 +46,10 @@ class TransferRequest:
             raise errors.InvalidArgumentError(str(exc)) from None
         arrays = ffi.from_buffer("uint64_t[]", packed)
         slots = max(n, 1)
+        # `local` is the from_buffer view, which keeps `packed` alive; `remote` and `lens` only
+        # point into it, so whoever passes them to the core holds `local` too (this request, or
+        # a CoreBatch's keepalive).
         local, remote, lens = arrays, arrays + slots, arrays + 2 * slots
-        # The cdata views keep `packed` alive (from_buffer holds a reference).
         return cls(opcode, n, total, local, remote, lens)
 
     @classmethod

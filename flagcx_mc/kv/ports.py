@@ -259,17 +259,20 @@ async def lookup_workers(registry: str, instance: str, *, expect: int = 0, timeo
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     table: Optional[Dict[WorkerKey, str]] = None
+
+    def too_few() -> RegistryError:
+        return RegistryError(f"{len(table or {})} of {expect} workers of {instance!r} registered within {timeout} s")
+
     try:
         while True:
-            short = RegistryError(f"{len(table or {})} of {expect} workers of {instance!r} registered within {timeout} s")
             if table is not None and loop.time() >= deadline:
-                raise short  # the registry answered before: the time ran out waiting for workers
+                raise too_few()  # the registry answered before: the time ran out waiting for workers
             try:
                 reply = await client.ask(Lookup(new_id(), instance), max(deadline - loop.time(), 0.001))
             except RegistryError:
                 if table is None:
                     raise  # it never answered
-                raise short from None
+                raise too_few() from None
             if not isinstance(reply, Workers):
                 raise RegistryError(f"unexpected {reply.type!r} reply to lookup")
             table = dict(reply.workers)
