@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -171,3 +173,73 @@ def test_self_transfer_uses_own_session(sync_engine):
     digest = buf.fill_random(0, 1 << 20)
     assert eng.transfer_sync_write(eng.session_name, buf.addr, buf.addr + (4 << 20), 1 << 20) == 0
     assert hashlib.sha256(buf.read(4 << 20, 1 << 20)).hexdigest() == digest
+
+
+@pytest.fixture
+def tcp_engine():
+    eng = TransferEngine(transfer_timeout=10.0, transport="tcp")
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = HostBuffer(16 << 20)
+    assert eng.register_memory(buf.addr, buf.size) == 0
+    yield eng, buf
+    eng.close()
+    buf.close()
+
+
+def test_small_sync_writes_from_many_threads_beside_big_reads(tcp_engine, node):
+    """Small sync writes read their own answers off the socket; other callers' batches share the
+    streams meanwhile (their answers arrive behind ours), and every byte must still land."""
+    eng, buf = tcp_engine
+    threads, calls, block = 6, 150, 4096
+    buf.fill_random(0, threads * calls * block)
+    read_base, read_len = 8 << 20, 4 << 20
+    digest = node.call("fill", region=0, offset=64 << 20, length=read_len)["digest"]
+    stop = threading.Event()
+
+    def writer(t):
+        rcs = []
+        for i in range(calls):
+            off = (t * calls + i) * block
+            rcs.append(eng.transfer_sync_write(node.session, buf.addr + off, node.addr(0, off), block))
+        return rcs
+
+    def reader():
+        rounds = 0
+        while not stop.is_set() or rounds == 0:
+            blocks = [(i * 64 << 10) for i in range(read_len // (64 << 10))]
+            rc = eng.batch_transfer_sync_read(node.session, [buf.addr + read_base + o for o in blocks],
+                                              [node.addr(0, (64 << 20) + o) for o in blocks], [64 << 10] * len(blocks))
+            assert rc == 0
+            assert buf.digest(read_base, read_len) == digest
+            buf.fill(0, read_base, read_len)
+            rounds += 1
+        return rounds
+
+    with ThreadPoolExecutor(threads + 1) as pool:
+        reads = pool.submit(reader)
+        results = list(pool.map(writer, range(threads)))
+        stop.set()
+        assert reads.result(timeout=60) >= 1
+    assert results == [[0] * calls] * threads
+    total = threads * calls * block
+    assert node.call("digest", region=0, offset=0, length=total)["digest"] == buf.digest(0, total)
+
+
+def test_small_sync_write_whose_answer_comes_late(tcp_engine, node):
+    """An answer later than the caller's polling window is taken by the stream's receiver thread."""
+    eng, buf = tcp_engine
+    buf.fill_random(0, 1 << 20)
+    assert eng.transfer_sync_write(node.session, buf.addr, node.addr(0), 4096) == 0  # connected
+    for i in range(3):
+        os.kill(node.pid, signal.SIGSTOP)
+        threading.Timer(0.05, os.kill, (node.pid, signal.SIGCONT)).start()
+        start = time.monotonic()
+        off = (i + 1) * 4096
+        assert eng.transfer_sync_write(node.session, buf.addr + off, node.addr(0, off), 4096) == 0
+        assert time.monotonic() - start >= 0.04
+    assert node.call("digest", region=0, offset=0, length=4 * 4096)["digest"] == buf.digest(0, 4 * 4096)
+    # And the next calls (the receive side handed back and forth) still run and land.
+    for i in range(50):
+        off = (i + 4) * 4096
+        assert eng.transfer_sync_write(node.session, buf.addr + off, node.addr(0, off), 4096) == 0
+    assert node.call("digest", region=0, offset=0, length=54 * 4096)["digest"] == buf.digest(0, 54 * 4096)

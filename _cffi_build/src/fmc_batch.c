@@ -125,19 +125,46 @@ static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
 /* Batches up to this size that land on one idle stream are sent by the calling thread. */
 #define FMC_INLINE_MAX_BYTES (256u << 10)
 
+/* The stream a batch starts on.  Small batches go back to the stream the last small one used
+ * while it is idle: the target's thread for that connection is then still polling for the next
+ * request (FLAGCX_MC_SPIN_US) instead of asleep, which is most of a small call's round trip on
+ * a VM.  Round robin otherwise, and when that stream is busy with someone else's batch. */
+static int start_stream(fmc_peer *p, uint64_t bytes)
+{
+    if (bytes <= FMC_INLINE_MAX_BYTES) {
+        int hot = atomic_load_explicit(&p->hot_stream, memory_order_relaxed);
+        fmc_stream *st = &p->streams[hot];
+        if (pthread_mutex_trylock(&st->mu) == 0) {
+            int idle = !st->pending.head && !st->sending_active && !st->inflight.head;
+            pthread_mutex_unlock(&st->mu);
+            if (idle)
+                return hot;
+        }
+    }
+    int stream = (int)(atomic_fetch_add(&p->rr, 1) % (uint32_t)p->nstreams);
+    if (bytes <= FMC_INLINE_MAX_BYTES)
+        atomic_store_explicit(&p->hot_stream, stream, memory_order_relaxed);
+    return stream;
+}
+
 static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms);
+                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving);
 
 int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                      const uint64_t *lens, fmc_batch **out)
 {
-    return submit(p, opcode, n, local, remote, lens, out, -1);
+    return submit(p, opcode, n, local, remote, lens, out, -1, NULL);
 }
 
+/* inline_deadline_ms >= 0: the caller waits for the batch (fmc_transfer), so a small one may be
+ * sent from its thread; with `receiving` also set, a write's caller may read its own answers
+ * (*receiving: the stream whose receive side it then owns, see fmc_stream_caller_receive). */
 static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms)
+                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving)
 {
     *out = NULL;
+    if (receiving)
+        *receiving = NULL;
     if ((opcode != FMC_OP_READ && opcode != FMC_OP_WRITE) || n < 0) {
         fmc_set_error("invalid opcode %d or task count %d", opcode, n);
         return FMC_ERR_INVALID_ARGUMENT;
@@ -171,8 +198,11 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         free(ldev);
         return FMC_ERR_ADDRESS_NOT_REGISTERED;
     }
-    for (int i = 0; i < n; i++)
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) {
         nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
+        total += lens[i];
+    }
     if (p->sh) {
         rc = same_host(p, opcode, n, local, remote, lens, ldev, out, inline_deadline_ms);
         if (rc != 1) {
@@ -197,7 +227,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
      * that many small tasks ride one stream together and big ones spread over all of them. */
     fmc_slice_list per_stream[FMC_MAX_STREAMS];
     memset(per_stream, 0, sizeof per_stream);
-    int stream = (int)(atomic_fetch_add(&p->rr, 1) % (uint32_t)p->nstreams);
+    int stream = start_stream(p, total);
     uint64_t run = 0;
     int k = 0;
     for (int i = 0; i < n; i++) {
@@ -241,7 +271,11 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         }
     if (used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_INLINE_MAX_BYTES) {
         fmc_slice *head = per_stream[only].head;
-        int rc = fmc_stream_enqueue_inline(&p->streams[only], &per_stream[only], inline_deadline_ms);
+        int claimed = 0;
+        int rc = fmc_stream_enqueue_inline(&p->streams[only], &per_stream[only], inline_deadline_ms,
+                                           receiving && opcode == FMC_OP_WRITE && fmc_spin_us() > 0, &claimed);
+        if (claimed)
+            *receiving = &p->streams[only];
         if (rc == FMC_ERR_SOCKET)
             fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
         else if (rc == FMC_ERR_TIMEOUT)
@@ -344,12 +378,11 @@ int fmc_spin_us(void)
     return value;
 }
 
-int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
+static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
 {
     struct timespec ts;
     if (timeout_ms >= 0)
         fmc_deadline_ts(timeout_ms, &ts);
-    int spin = fmc_spin_us();
     if (spin > 0) {
         int64_t until = fmc_now_us() + spin;
         while (!__atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) && fmc_now_us() < until)
@@ -374,6 +407,11 @@ int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
     return FMC_ERR_TIMEOUT;
 }
 
+int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
+{
+    return batch_wait(b, timeout_ms, fmc_spin_us());
+}
+
 void fmc_batch_free(fmc_batch *b)
 {
     if (!b)
@@ -390,10 +428,21 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
                  const uint64_t *lens, int64_t timeout_ms)
 {
     fmc_batch *b = NULL;
-    int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms));
+    fmc_stream *receiving = NULL;
+    int64_t start_us = fmc_now_us();
+    int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms), &receiving);
     if (rc != FMC_OK)
         return rc;
-    rc = fmc_batch_wait(b, timeout_ms);
+    int spin = fmc_spin_us();
+    if (receiving) {
+        /* Poll for the answers for the usual spin, plus the time the bytes take at 2 GB/s. */
+        int64_t until = start_us + spin + (int64_t)(b->bytes >> 11);
+        if (timeout_ms >= 0 && until > start_us + timeout_ms * 1000)
+            until = start_us + timeout_ms * 1000;
+        fmc_stream_caller_receive(receiving, b, until);
+        spin = 0; /* polled already */
+    }
+    rc = batch_wait(b, timeout_ms, spin);
     if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT) {
         fmc_set_error("transfer to %s:%d failed (%s)", p->host, p->data_port,
                       rc == FMC_ERR_REMOTE_REFUSED ? "the target refused a range" : "connection lost");

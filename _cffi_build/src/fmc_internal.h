@@ -230,6 +230,15 @@ typedef struct fmc_stream {
     fmc_slice_list receiving; /* answered, payload being read into local memory */
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
+    /* The receive side is owned by the receiver thread, except while a synchronous caller reads
+     * its own answers (`caller_recv`).  While nothing is in flight, or a caller owns it, the
+     * thread parks in poll() on wake_fd and on the socket for POLLRDHUP only: data arriving
+     * wakes nobody (poll wakes only for the events asked), a peer closing an idle stream does. */
+    fmc_reader rd;            /* answers read so far; used only by the receive side's owner */
+    int wake_fd;              /* eventfd: work in flight, the receive side handed back, or death */
+    int recv_parked;          /* the receiver thread is parked */
+    int recv_blind;           /* parked without watching the socket (a caller owned it) */
+    int caller_recv;          /* a caller owns the receive side */
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
@@ -268,6 +277,7 @@ struct fmc_peer {
     int connected, closed;
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */
+    atomic_int hot_stream;    /* the stream small batches prefer (see start_stream) */
     atomic_uint_fast64_t next_id;
     fmc_stream streams[FMC_MAX_STREAMS];
 };
@@ -296,7 +306,8 @@ int fmc_sh_transfer(struct fmc_peer *p, int opcode, int n, const uint64_t *local
 void fmc_slices_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
-int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms);
+int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms, int claim_recv, int *claimed);
+void fmc_stream_caller_receive(fmc_stream *st, struct fmc_batch *b, int64_t until_us);
 int fmc_batch_cancel_slices(fmc_batch *b);
 void *fmc_stream_send_main(void *arg);
 void *fmc_stream_recv_main(void *arg);

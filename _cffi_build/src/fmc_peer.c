@@ -5,6 +5,9 @@
  * call return with its buffers free. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/mman.h>
 #include <stdio.h>
@@ -44,6 +47,14 @@ static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
 
 /* ------------------------------------------------------------------ stream threads */
 
+static void wake_receiver(fmc_stream *st)
+{
+    uint64_t one = 1;
+    if (st->wake_fd >= 0 && write(st->wake_fd, &one, sizeof one) < 0) {
+        /* EAGAIN only: the counter is already non-zero, so the receiver wakes anyway */
+    }
+}
+
 /* Called by each stream thread as it leaves; the last one out fails whatever is left, which is
  * safe because neither thread can touch slice memory any more. */
 static void stream_thread_exit(fmc_stream *st)
@@ -56,6 +67,7 @@ static void stream_thread_exit(fmc_stream *st)
             shutdown(st->fd, SHUT_RDWR);
     }
     pthread_cond_broadcast(&st->cv);
+    wake_receiver(st);
     if (--st->threads_alive == 0) {
         while (st->sending_active) /* an inline sender still in sendmsg: shutdown ends it soon */
             pthread_cond_wait(&st->cv, &st->mu);
@@ -78,13 +90,19 @@ static void stream_thread_exit(fmc_stream *st)
     fmc_slices_finish(left.head, FMC_ERR_SOCKET);
 }
 
-void fmc_stream_kill(fmc_stream *st)
+static void kill_locked(fmc_stream *st)
 {
-    pthread_mutex_lock(&st->mu);
     st->dead = 1;
     if (st->fd >= 0)
         shutdown(st->fd, SHUT_RDWR);
     pthread_cond_broadcast(&st->cv);
+    wake_receiver(st);
+}
+
+void fmc_stream_kill(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    kill_locked(st);
     pthread_mutex_unlock(&st->mu);
 }
 
@@ -249,6 +267,8 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->writes[nw++] = s;
         }
     }
+    if (st->recv_parked && !st->caller_recv)
+        wake_receiver(st); /* answers will come: before the first byte leaves */
     int fd = st->fd;
     pthread_mutex_unlock(&st->mu);
     int rc = stage_gpu_sources(st, sc, niov, nw);
@@ -260,7 +280,10 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     for (int i = 0; i < nw; i++)
         sc->writes[i]->sending = 0;
     st->sending_active = 0;
-    pthread_cond_broadcast(&st->cv); /* the sender thread, or an exit path waiting to close fd */
+    /* Wake the sender thread only for queued work, and an exit path waiting to close fd: a
+     * needless wake-up per inline call costs the caller a context switch on a small machine. */
+    if (st->pending.head || st->dead)
+        pthread_cond_broadcast(&st->cv);
     if (st->answered.head) {
         fmc_slice *s = st->answered.head;
         st->answered.head = st->answered.tail = NULL;
@@ -289,16 +312,22 @@ void *fmc_stream_send_main(void *arg)
 }
 
 /* Queue `list` and, when the stream is idle, send it from the calling thread: a small transfer
- * then costs no wake-up of the sender thread.  A send that cannot finish by the deadline cuts
- * the stream (its slices then fail, reported as a timeout). */
-int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms)
+ * then costs no wake-up of the sender thread.  With `claim_recv` set, a caller that finds the
+ * receive side idle too takes it (*claimed = 1) and must then call fmc_stream_caller_receive.
+ * A send that cannot finish by the deadline cuts the stream (its slices then fail, reported as
+ * a timeout). */
+int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms, int claim_recv, int *claimed)
 {
+    *claimed = 0;
     pthread_mutex_lock(&st->mu);
     if (st->dead) {
         pthread_mutex_unlock(&st->mu);
         return FMC_ERR_SOCKET;
     }
     int idle = !st->pending.head && !st->sending_active;
+    if (idle && claim_recv && st->recv_parked && !st->inflight.head && !st->caller_recv &&
+        st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0)
+        *claimed = st->caller_recv = 1;
     list_append(&st->pending, list);
     if (!idle) {
         pthread_cond_signal(&st->cv);
@@ -440,28 +469,118 @@ static int answer_buffered(int proto, const fmc_reader *rd)
     return fmc_reader_buffered(rd) >= (proto == FMC_PROTO_MOONCAKE ? FMC_MC_STATUS_SIZE : FMC_RESP_SIZE);
 }
 
+/* Write answers already buffered for the slices at the head of `inflight`, taken the way the
+ * receiver thread takes them (native framing; writes carry no payload back, so nothing needs
+ * placing).  Called with st->mu held by the caller that owns the receive side.  Returns 1 to
+ * keep polling, 0 to stop: nothing in flight, or an answer this path leaves to the thread (a
+ * read's, or one that matches no request: the thread reports it). */
+static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
+{
+    fmc_reader *rd = &st->rd;
+    for (;;) {
+        fmc_slice *s = st->inflight.head;
+        if (!s || s->batch->opcode != FMC_OP_WRITE)
+            return 0;
+        if (fmc_reader_buffered(rd) < FMC_RESP_SIZE)
+            return 1;
+        fmc_resp a;
+        fmc_resp_decode(rd->buf + rd->start, &a);
+        int k = s->vec_n >= 2 ? s->vec_n : 1;
+        size_t statuses = k >= 2 && a.status != FMC_OK ? (size_t)k * 4 : 0; /* see fmc_wire.h */
+        if (a.id != s->id || a.len != statuses)
+            return 0;
+        if (fmc_reader_buffered(rd) < FMC_RESP_SIZE + statuses)
+            return 1;
+        const uint8_t *entry = rd->buf + rd->start + FMC_RESP_SIZE;
+        for (int j = 0; j < k; j++, entry += 4) {
+            fmc_slice *x = st->inflight.head;
+            if (!x)
+                return 0; /* cannot happen: a vector's slices enter `inflight` together */
+            st->inflight.head = x->next;
+            x->answer_status = remote_status(statuses ? (int32_t)fmc_get32(entry) : a.status);
+            list_push(x->sending ? &st->answered : done, x);
+        }
+        if (!st->inflight.head)
+            st->inflight.tail = NULL;
+        rd->start += FMC_RESP_SIZE + statuses;
+    }
+}
+
+/* The caller that claimed the receive side (fmc_stream_enqueue_inline) polls the socket for
+ * its answers until batch `b` is finished or `until_us` passes, then hands the receive side
+ * back.  On a 2-core machine this is what makes a small synchronous write cheap: only the
+ * caller and the target's thread run, and no sleeping receiver needs waking. */
+void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
+{
+    int got = 0;
+    for (;;) {
+        fmc_slice_list done = {0};
+        pthread_mutex_lock(&st->mu);
+        int more = !st->dead && take_write_answers_locked(st, &done);
+        pthread_mutex_unlock(&st->mu);
+        fmc_slices_finish(done.head, FMC_TASK_PENDING);
+        if (!more || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)
+            break;
+        got = fmc_reader_try_more(&st->rd);
+        if (got < 0)
+            break; /* EOF or error: the thread reads it again and fails the stream */
+        if (got == 0)
+            sched_yield();
+    }
+    pthread_mutex_lock(&st->mu);
+    st->caller_recv = 0;
+    if (st->recv_parked && (st->inflight.head || st->recv_blind || got < 0))
+        wake_receiver(st);
+    pthread_mutex_unlock(&st->mu);
+}
+
+/* Park while nothing is in flight or a caller reads its own answers (see fmc_stream); 0 once
+ * the stream is dead.  A peer that closes an idle stream kills it here, so the session cache
+ * sees it as unhealthy and reconnects before the next transfer. */
+static int receiver_park(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    while (!st->dead && (st->caller_recv || !st->inflight.head)) {
+        int watch = !st->caller_recv; /* a caller that owns the socket sees its EOF itself */
+        st->recv_parked = 1;
+        st->recv_blind = !watch;
+        pthread_mutex_unlock(&st->mu);
+        struct pollfd pf[2] = {{.fd = st->wake_fd, .events = POLLIN}, {.fd = st->rd.fd, .events = POLLRDHUP}};
+        if (poll(pf, watch ? 2 : 1, -1) < 0 && errno != EINTR)
+            pf[1].revents = POLLERR;
+        uint64_t count;
+        if (pf[0].revents && read(st->wake_fd, &count, sizeof count) < 0) {
+            /* EAGAIN: another wake-up consumed it first */
+        }
+        pthread_mutex_lock(&st->mu);
+        st->recv_parked = st->recv_blind = 0;
+        if (watch && pf[1].revents && !st->caller_recv && !st->inflight.head)
+            kill_locked(st); /* closed (or sent bytes nobody asked for) while idle */
+    }
+    int alive = !st->dead;
+    pthread_mutex_unlock(&st->mu);
+    return alive;
+}
+
 /* Matches answers to in-flight slices, in order.  The answers already buffered are taken under
  * one hold of the stream lock and their slices finished together (one batch lock per run). */
 void *fmc_stream_recv_main(void *arg)
 {
     fmc_stream *st = arg;
     int proto = st->peer->proto;
-    fmc_reader rd;
-    if (fmc_reader_init(&rd, st->fd, 64u << 10) != 0) {
-        stream_thread_exit(st);
-        return NULL;
-    }
-    if (st->peer->vectors)
-        rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
+    fmc_reader *rd = &st->rd;
     fmc_slice_list done = {0};
     gpu_landing gpu = {0};
     for (;;) {
         fmc_resp a;
-        if (!answer_buffered(proto, &rd))
-            land_pending(st, &gpu, &done); /* before this thread may block on the socket */
+        int park = !answer_buffered(proto, rd);
+        if (park)
+            land_pending(st, &gpu, &done); /* before this thread may block */
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         done.head = done.tail = NULL;
-        if (read_answer(proto, &rd, &a) < 0)
+        if (park && !receiver_park(st))
+            break;
+        if (read_answer(proto, rd, &a) < 0)
             break;
         pthread_mutex_lock(&st->mu);
         int broken = 0;
@@ -495,7 +614,7 @@ void *fmc_stream_recv_main(void *arg)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                if (receive_vector(st, &rd, &a, k) < 0) {
+                if (receive_vector(st, rd, &a, k) < 0) {
                     log_bad_answer(st, "a vector answer that does not fit its request");
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
@@ -529,7 +648,7 @@ void *fmc_stream_recv_main(void *arg)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                int got = receive_payload(st, &rd, s, &gpu, &done);
+                int got = receive_payload(st, rd, s, &gpu, &done);
                 if (got < 0) {
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
@@ -543,9 +662,9 @@ void *fmc_stream_recv_main(void *arg)
              * one whose answer overtook the end of a long gather): the sender finishes it. */
             list_push(s->sending ? &st->answered : &done, s);
         next_answer: /* take the next answer only if it is already here */
-            if (!answer_buffered(proto, &rd))
+            if (!answer_buffered(proto, rd))
                 break;
-            if (read_answer(proto, &rd, &a) < 0) {
+            if (read_answer(proto, rd, &a) < 0) {
                 pthread_mutex_unlock(&st->mu);
                 broken = 1;
                 break;
@@ -557,7 +676,6 @@ void *fmc_stream_recv_main(void *arg)
     }
     land_pending(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
     fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
-    fmc_reader_free(&rd);
     stream_thread_exit(st);
     return NULL;
 }
@@ -602,6 +720,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         st->dead = 1; /* until connected */
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
+        st->wake_fd = -1;
     }
     *out = p;
     return FMC_OK;
@@ -1029,6 +1148,13 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
     }
     for (int i = 0; i < p->nstreams; i++) {
         fmc_stream *st = &p->streams[i];
+        st->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (st->wake_fd < 0 || fmc_reader_init(&st->rd, fds[i], 64u << 10) != 0) {
+            close(fds[i]);
+            continue; /* the stream stays dead: the peer is not healthy */
+        }
+        if (p->vectors)
+            st->rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
         pthread_mutex_lock(&st->mu);
         st->fd = fds[i];
         st->dead = 0;
@@ -1056,9 +1182,10 @@ int fmc_peer_is_healthy(fmc_peer *p)
     int ok = p->connected && !p->closed;
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; ok && i < p->nstreams; i++) {
-        pthread_mutex_lock(&p->streams[i].mu);
-        ok = !p->streams[i].dead;
-        pthread_mutex_unlock(&p->streams[i].mu);
+        fmc_stream *st = &p->streams[i];
+        pthread_mutex_lock(&st->mu);
+        ok = !st->dead;
+        pthread_mutex_unlock(&st->mu);
     }
     return ok;
 }
@@ -1096,6 +1223,9 @@ void fmc_peer_release(fmc_peer *p)
         free(p->streams[i].scratch);
         fmc_staging_release(&p->streams[i].recv_stage);
         fmc_staging_release(&p->streams[i].recv_stage2);
+        fmc_reader_free(&p->streams[i].rd);
+        if (p->streams[i].wake_fd >= 0)
+            close(p->streams[i].wake_fd);
         pthread_mutex_destroy(&p->streams[i].mu);
         pthread_cond_destroy(&p->streams[i].cv);
     }
