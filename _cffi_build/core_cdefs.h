@@ -89,6 +89,7 @@ int fmc_batch_cancel(fmc_batch *batch);
 void fmc_batch_free(fmc_batch *batch);
 int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms);
+int fmc_transfer_one(fmc_peer *peer, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t timeout_ms);
 
 /* baselines (bench only) */
 int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);

@@ -235,6 +235,11 @@ class CorePeer:
         rc = lib.fmc_transfer(self._ptr, opcode, n, local, remote, lens, int(timeout_ms))
         return rc, (last_error() if rc < 0 else "")
 
+    def transfer_one(self, opcode: int, local: int, remote: int, length: int, timeout_ms: int) -> Tuple[int, str]:
+        """One range, as plain ints (checked by the caller): no arrays to build."""
+        rc = lib.fmc_transfer_one(self._ptr, opcode, local, remote, length, timeout_ms)
+        return rc, (last_error() if rc < 0 else "")
+
     def submit(self, opcode: int, n: int, local, remote, lens) -> "CoreBatch":
         out = ffi.new("fmc_batch **")
         _raise_for(lib.fmc_batch_submit(self._ptr, opcode, n, local, remote, lens, out))

@@ -88,3 +88,20 @@ def test_no_memory_is_kept_across_calls_good_or_bad():
     finally:
         tracemalloc.stop()
     assert grown < 64 * 1024, f"{grown} bytes kept after 600 calls"
+
+
+@pytest.mark.parametrize("args, message", [
+    ((True, 2, 3), "not booleans"),
+    ((-1, 2, 3), r"lie in \[0, 2\*\*64\)"),
+    ((1, 2.0, 3), "element 0 is float"),
+    ((1, 2, 1 << 64), r"lie in \[0, 2\*\*64\)"),
+])
+def test_single_range_is_checked_like_the_lists(args, message):
+    """transfer_sync_write/read take a shortcut for one range of plain ints; anything else gets
+    the lists' own checks and errors."""
+    from flagcx_mc.errors import InvalidArgumentError
+    from flagcx_mc.transfer import SingleTransfer, TransferRequest
+
+    assert isinstance(TransferRequest.single(0, 1, 2, 3), SingleTransfer)
+    with pytest.raises(InvalidArgumentError, match=message):
+        TransferRequest.single(0, *args)

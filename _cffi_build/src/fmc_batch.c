@@ -450,3 +450,9 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     fmc_batch_free(b);
     return rc;
 }
+
+/* One range: what transfer_sync_write/read pass, without building arrays in Python. */
+int fmc_transfer_one(fmc_peer *p, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t timeout_ms)
+{
+    return fmc_transfer(p, opcode, 1, &local, &remote, &len, timeout_ms);
+}
