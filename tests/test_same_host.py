@@ -167,3 +167,114 @@ def test_managed_buffers_are_shared_mappings_on_one_host():
         user.close()
         owner.close()
         buf.close()
+
+
+def _ragged_batch(rng, count, region_len, max_block):
+    """`count` tasks of odd sizes at non-overlapping, unaligned offsets of one region."""
+    sizes = [rng.randrange(1, max_block) for _ in range(count)]
+    gaps = [rng.randrange(0, 5000) for _ in range(count)]
+    offsets, at = [], 0
+    for size, gap in zip(sizes, gaps):
+        offsets.append(at + gap)
+        at += gap + size
+    assert at <= region_len
+    order = list(range(count))
+    rng.shuffle(order)  # not in address order: parts cut across unrelated places
+    return [offsets[i] for i in order], [sizes[i] for i in order]
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_large_calls_are_copied_in_parts_and_land_exactly(sh_node, op):
+    """A large same-host call is cut into parts copied by several threads (cuts fall inside tasks,
+    tasks go to two regions): every byte lands where it belongs, nothing outside the ranges."""
+    import hashlib
+    import random
+
+    from flagcx_mc import TransferEngine
+
+    rng = random.Random(7 if op == "write" else 8)
+    eng = TransferEngine(transfer_timeout=10.0, transport="same-host")
+    buf = HostBuffer(80 << 20)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        offs0, sizes0 = _ragged_batch(rng, 60, 40 << 20, 600 << 10)
+        offs1, sizes1 = _ragged_batch(rng, 5, 1 << 20, 100 << 10)
+        tasks = [(0, o, s) for o, s in zip(offs0, sizes0)] + [(1, o, s) for o, s in zip(offs1, sizes1)]
+        tasks.append((0, 41 << 20, (9 << 20) + 3))  # one task bigger than a part: cut inside it
+        rng.shuffle(tasks)
+        local, at = [], 0
+        for _, _, size in tasks:
+            local.append(at)
+            at += size + 11
+        remote = [sh_node.addr(region, off) for region, off, _ in tasks]
+        if op == "write":
+            buf.fill_random(0, at)
+            sh_node.call("set", region=0, byte=0)
+            assert eng.batch_transfer_sync_write(sh_node.session, [buf.addr + o for o in local], remote,
+                                                 [s for _, _, s in tasks]) == 0
+            for (region, off, size), lo in zip(tasks, local):
+                got = sh_node.call("digest", region=region, offset=off, length=size)["digest"]
+                assert got == hashlib.sha256(buf.read(lo, size)).hexdigest(), (region, off, size)
+        else:
+            expect = {0: sh_node.call("fill", region=0)["digest"], 1: sh_node.call("fill", region=1)["digest"]}
+            assert expect
+            buf.fill(0, 0, at)
+            assert eng.batch_transfer_sync_read(sh_node.session, [buf.addr + o for o in local], remote,
+                                                [s for _, _, s in tasks]) == 0
+            for (region, off, size), lo in zip(tasks, local):
+                got = sh_node.call("digest", region=region, offset=off, length=size)["digest"]
+                assert hashlib.sha256(buf.read(lo, size)).hexdigest() == got, (region, off, size)
+                assert buf.read(lo + size, 11) == bytes(11)  # the gaps between local ranges untouched
+        assert sh_node.call("guards")["intact"]
+        assert eng._engine._sessions.peek(sh_node.session).peer.same_host
+    finally:
+        eng.close()
+        buf.close()
+
+
+def _forked_child_copies(session, remote, conn):
+    from flagcx_mc import TransferEngine
+
+    eng = TransferEngine(transfer_timeout=10.0, transport="same-host")
+    buf = HostBuffer(8 << 20)
+    try:
+        ok = eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0 and eng.register_memory(buf.addr, buf.size) == 0
+        digest = buf.fill_random(0, 8 << 20)
+        ok = ok and eng.transfer_sync_write(session, buf.addr, remote, 8 << 20) == 0
+        conn.send((ok, digest))
+    finally:
+        eng.close()
+        buf.close()
+
+
+def test_a_forked_child_copies_in_parts_too(sh_node):
+    """The copy helpers are threads of the parent; a child forked after they started must not wait
+    for them (it starts its own)."""
+    import multiprocessing
+
+    from flagcx_mc import TransferEngine
+
+    eng = TransferEngine(transfer_timeout=10.0, transport="same-host")
+    buf = HostBuffer(8 << 20)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        assert eng.transfer_sync_write(sh_node.session, buf.addr, sh_node.addr(0), 8 << 20) == 0  # helpers run
+        ctx = multiprocessing.get_context("fork")
+        parent_end, child_end = ctx.Pipe()
+        child = ctx.Process(target=_forked_child_copies, args=(sh_node.session, sh_node.addr(0, 16 << 20), child_end))
+        child.start()
+        try:
+            assert parent_end.poll(60), "the forked child's same-host copy did not finish"
+            ok, digest = parent_end.recv()
+            assert ok
+            assert sh_node.call("digest", region=0, offset=16 << 20, length=8 << 20)["digest"] == digest
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+                child.join()
+    finally:
+        eng.close()
+        buf.close()

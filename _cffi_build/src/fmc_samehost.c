@@ -16,6 +16,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -263,23 +264,220 @@ static int copy_tasks(fmc_peer *p, _Atomic uint64_t *busy, int opcode, int n, co
     return rc;
 }
 
+/* ------------------------------------------------------------------ copies in parallel */
+
+/* A large call is cut into parts of about equal bytes, one per free busy word, and its parts
+ * beyond the first are copied by helper threads while the caller copies the first: memcpy and
+ * process_vm_writev are bound by one core's copy speed, and the target side needs no CPU at all.
+ * The caller returns only once every part is done, so a call's buffers are free when it returns. */
+#define SH_SPLIT_MIN (1u << 20) /* smaller calls stay in the calling thread */
+#define SH_MAX_PARTS FMC_SH_WORDS_PER_PEER
+
+typedef struct sh_part {
+    fmc_peer *p;
+    _Atomic uint64_t *busy;
+    int opcode, n;
+    const uint64_t *local, *remote, *lens;
+    const int32_t *local_dev;
+    const fmc_sh_route *routes;
+    int64_t deadline_ms;
+    int rc, done;
+    char error[256]; /* the helper's fmc_set_error text, handed to the caller */
+    struct sh_part *next;
+} sh_part;
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    sh_part *queue;
+    int threads; /* helpers started in this process */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0};
+
+/* A forked child has none of the parent's helpers: start afresh. */
+static void pool_after_fork(void)
+{
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.work, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.queue = NULL;
+    pool.threads = 0;
+}
+
+static void pool_register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Threads that copy a call: FLAGCX_MC_COPY_THREADS, by default the online cores (at most 4). */
+static int copy_threads(void)
+{
+    static int value = -1;
+    if (value < 0) {
+        const char *env = getenv("FLAGCX_MC_COPY_THREADS");
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        int v = env && *env ? atoi(env) : (int)(cores > 0 ? cores : 1);
+        value = v < 1 ? 1 : v > SH_MAX_PARTS ? SH_MAX_PARTS : v;
+    }
+    return value;
+}
+
+static void run_part(sh_part *t)
+{
+    t->rc = copy_tasks(t->p, t->busy, t->opcode, t->n, t->local, t->remote, t->lens, t->local_dev, t->routes,
+                       t->deadline_ms);
+    if (t->rc != FMC_OK)
+        snprintf(t->error, sizeof t->error, "%s", fmc_last_error());
+}
+
+static void *helper_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (!pool.queue)
+            pthread_cond_wait(&pool.work, &pool.mu);
+        sh_part *t = pool.queue;
+        pool.queue = t->next;
+        pthread_mutex_unlock(&pool.mu);
+        run_part(t);
+        pthread_mutex_lock(&pool.mu);
+        t->done = 1;
+        pthread_cond_broadcast(&pool.done);
+    }
+    return NULL;
+}
+
+/* Hand parts to helpers (started on first need); 0 if no helper could be started. */
+static int pool_post(sh_part *parts, int nparts)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pool_register_fork_handler);
+    pthread_mutex_lock(&pool.mu);
+    while (pool.threads < nparts && pool.threads < SH_MAX_PARTS - 1) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, helper_main, NULL) != 0)
+            break;
+        pthread_detach(th);
+        pool.threads++;
+    }
+    if (pool.threads == 0) {
+        pthread_mutex_unlock(&pool.mu);
+        return 0;
+    }
+    for (int i = nparts - 1; i >= 0; i--) {
+        parts[i].next = pool.queue;
+        pool.queue = &parts[i];
+    }
+    pthread_cond_broadcast(&pool.work);
+    pthread_mutex_unlock(&pool.mu);
+    return 1;
+}
+
+/* Cut the tasks into `nparts` runs of about equal bytes (page-aligned cuts inside a task), each
+ * with its own arrays in `buf`; returns 0 when a run came out empty (too few bytes to cut). */
+static int cut_parts(sh_part *parts, int nparts, int n, const uint64_t *local, const uint64_t *remote,
+                     const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, uint64_t total,
+                     uint64_t *buf, fmc_sh_route *rbuf, int32_t *dbuf)
+{
+    int cap = n + nparts;
+    uint64_t *l = buf, *r = buf + cap, *len = buf + 2 * (size_t)cap;
+    uint64_t share = (total / (uint64_t)nparts + 4095) & ~4095ull;
+    int k = 0, part = 0;
+    uint64_t in_part = 0;
+    parts[0].local = l, parts[0].remote = r, parts[0].lens = len, parts[0].local_dev = dbuf, parts[0].routes = rbuf;
+    for (int i = 0; i < n; i++) {
+        uint64_t off = 0;
+        while (off < lens[i]) {
+            uint64_t take = lens[i] - off;
+            if (part < nparts - 1 && in_part + take > share)
+                take = share - in_part;
+            l[k] = local[i] + off;
+            r[k] = remote[i] + off;
+            len[k] = take;
+            dbuf[k] = local_dev[i];
+            rbuf[k] = routes[i];
+            if (rbuf[k].mapped)
+                rbuf[k].mapped += off;
+            k++;
+            off += take;
+            in_part += take;
+            if (part < nparts - 1 && in_part == share) {
+                parts[part].n = k - (int)(parts[part].local - l);
+                part++;
+                in_part = 0;
+                parts[part].local = l + k, parts[part].remote = r + k, parts[part].lens = len + k;
+                parts[part].local_dev = dbuf + k, parts[part].routes = rbuf + k;
+            }
+        }
+    }
+    parts[part].n = k - (int)(parts[part].local - l);
+    return part == nparts - 1 && parts[part].n > 0;
+}
+
 /* Each copy in flight owns one of the peer's busy words (a shared word could hide one thread's
  * copy from unregister while another thread clears it), so up to FMC_SH_WORDS_PER_PEER threads
- * copy to one peer at once; more wait for a word. */
+ * copy to one peer at once; more wait for a word.  A large host-memory call takes what free words
+ * there are and copies its parts in parallel. */
 int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                     const uint64_t *lens, const int32_t *local_dev, const fmc_sh_route *routes, int64_t deadline_ms)
 {
+    uint64_t total = 0;
+    int host_only = 1;
+    for (int i = 0; i < n; i++) {
+        total += lens[i];
+        host_only &= routes[i].dev < 0 && local_dev[i] < 0;
+    }
+    int want = total >= SH_SPLIT_MIN && host_only ? copy_threads() : 1;
+    int words[SH_MAX_PARTS], nwords = 0;
     pthread_mutex_lock(&p->sh_mu);
     while (!p->sh_free)
         pthread_cond_wait(&p->sh_cv, &p->sh_mu);
-    int w = __builtin_ctz(p->sh_free);
-    p->sh_free &= ~(1u << w);
+    while (p->sh_free && nwords < want) {
+        int w = __builtin_ctz(p->sh_free);
+        p->sh_free &= ~(1u << w);
+        words[nwords++] = w;
+    }
     pthread_mutex_unlock(&p->sh_mu);
-    int rc = copy_tasks(p, &p->sh->busy[p->sh_words[w]], opcode, n, local, remote, lens, local_dev, routes,
-                                deadline_ms);
+    int rc = FMC_ERR_MEMORY;
+    sh_part parts[SH_MAX_PARTS];
+    memset(parts, 0, sizeof parts);
+    int cap = n + nwords;
+    uint64_t *buf = nwords > 1 ? malloc(sizeof(uint64_t) * 3 * (size_t)cap) : NULL;
+    fmc_sh_route *rbuf = buf ? malloc(sizeof *rbuf * (size_t)cap) : NULL;
+    int32_t *dbuf = rbuf ? malloc(sizeof *dbuf * (size_t)cap) : NULL;
+    if (dbuf && cut_parts(parts, nwords, n, local, remote, lens, local_dev, routes, total, buf, rbuf, dbuf)) {
+        for (int i = 0; i < nwords; i++) {
+            parts[i].p = p;
+            parts[i].busy = &p->sh->busy[p->sh_words[words[i]]];
+            parts[i].opcode = opcode;
+            parts[i].deadline_ms = deadline_ms;
+        }
+        int posted = pool_post(parts + 1, nwords - 1);
+        run_part(&parts[0]);
+        if (posted) {
+            pthread_mutex_lock(&pool.mu);
+            for (int i = 1; i < nwords; i++)
+                while (!parts[i].done)
+                    pthread_cond_wait(&pool.done, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        } else {
+            for (int i = 1; i < nwords; i++)
+                run_part(&parts[i]);
+        }
+        rc = FMC_OK;
+        for (int i = 0; i < nwords && rc == FMC_OK; i++)
+            if (parts[i].rc != FMC_OK) {
+                rc = parts[i].rc;
+                fmc_set_error("%s", parts[i].error);
+            }
+    } else {
+        rc = copy_tasks(p, &p->sh->busy[p->sh_words[words[0]]], opcode, n, local, remote, lens, local_dev, routes,
+                        deadline_ms);
+    }
+    free(buf);
+    free(rbuf);
+    free(dbuf);
     pthread_mutex_lock(&p->sh_mu);
-    p->sh_free |= 1u << w;
-    pthread_cond_signal(&p->sh_cv);
+    for (int i = 0; i < nwords; i++)
+        p->sh_free |= 1u << words[i];
+    pthread_cond_broadcast(&p->sh_cv);
     pthread_mutex_unlock(&p->sh_mu);
     return rc;
 }
