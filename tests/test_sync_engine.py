@@ -17,15 +17,20 @@ from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc.config import EngineConfig, mooncake_transfer_timeout
 
 
-@pytest.fixture
-def sync_engine():
-    eng = TransferEngine(transfer_timeout=10.0)
-    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+def _started_engine(protocol, **config):
+    """An initialized sync engine with 16 MiB registered; closed after the test."""
+    eng = TransferEngine(transfer_timeout=10.0, **config)
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, "") == 0
     buf = HostBuffer(16 << 20)
     assert eng.register_memory(buf.addr, buf.size) == 0
     yield eng, buf
     eng.close()
     buf.close()
+
+
+@pytest.fixture
+def sync_engine():
+    yield from _started_engine("rdma")
 
 
 def test_signatures_match_mooncake():
@@ -177,13 +182,7 @@ def test_self_transfer_uses_own_session(sync_engine):
 
 @pytest.fixture
 def tcp_engine():
-    eng = TransferEngine(transfer_timeout=10.0, transport="tcp")
-    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    buf = HostBuffer(16 << 20)
-    assert eng.register_memory(buf.addr, buf.size) == 0
-    yield eng, buf
-    eng.close()
-    buf.close()
+    yield from _started_engine("tcp", transport="tcp")
 
 
 def test_small_sync_writes_from_many_threads_beside_big_reads(tcp_engine, node):
