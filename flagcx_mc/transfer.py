@@ -11,8 +11,9 @@ from .config import EngineConfig
 
 __all__ = ["TransferRequest", "needs_refresh", "OP_READ", "OP_WRITE"]
 
-# Codes after which the peer's region table may simply be stale: re-read it once and retry.
 _U64_MAX = (1 << 64) - 1
+
+# Codes after which the peer's region table may simply be stale: re-read it once and retry.
 _REFRESH_CODES = frozenset({errors.AddressNotRegisteredError.code, errors.RemoteRefusedError.code})
 
 

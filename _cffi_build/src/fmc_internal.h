@@ -124,10 +124,16 @@ typedef struct {
     int count, cap;
 } fmc_registry;
 
-/* 1 if r wholly holds [addr, addr+len) (len > 0, no wrap-around: checked by the caller). */
+/* 1 if [base, base+size) wholly holds [addr, addr+len) (len > 0, no wrap-around: checked by
+ * the caller).  Our regions and a peer's region table both use it. */
+static inline int fmc_range_holds(uint64_t base, uint64_t size, uint64_t addr, uint64_t len)
+{
+    return addr >= base && addr - base <= size && len <= size - (addr - base);
+}
+
 static inline int fmc_region_holds(const fmc_region *r, uint64_t addr, uint64_t len)
 {
-    return addr >= r->addr && addr - r->addr <= r->len && len <= r->len - (addr - r->addr);
+    return fmc_range_holds(r->addr, r->len, addr, len);
 }
 
 /* Returns the region that wholly holds [addr, addr+len), or NULL.  Caller holds engine->mu. */

@@ -985,19 +985,13 @@ int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uin
     return ok;
 }
 
-/* 1 if peer region i wholly holds [addr, addr+len). */
-static int region_holds_locked(const fmc_peer *p, int i, uint64_t addr, uint64_t len)
-{
-    return addr >= p->r_addr[i] && addr - p->r_addr[i] < p->r_len[i] && len <= p->r_len[i] - (addr - p->r_addr[i]);
-}
-
 /* Index of the peer region that wholly holds [addr, addr+len), or -1.  `hint` (an index or -1)
  * is tried first: the tasks of a batch mostly fall in the region of the one before. */
 static int region_index_locked(const fmc_peer *p, uint64_t addr, uint64_t len, int hint)
 {
     if (len == 0 || addr + len < addr)
         return -1;
-    if (hint >= 0 && hint < p->r_count && region_holds_locked(p, hint, addr, len))
+    if (hint >= 0 && hint < p->r_count && fmc_range_holds(p->r_addr[hint], p->r_len[hint], addr, len))
         return hint;
     int lo = 0, hi = p->r_count - 1, idx = -1;
     while (lo <= hi) {
@@ -1009,7 +1003,7 @@ static int region_index_locked(const fmc_peer *p, uint64_t addr, uint64_t len, i
             hi = mid - 1;
         }
     }
-    return idx >= 0 && region_holds_locked(p, idx, addr, len) ? idx : -1;
+    return idx >= 0 && fmc_range_holds(p->r_addr[idx], p->r_len[idx], addr, len) ? idx : -1;
 }
 
 static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key)

@@ -435,7 +435,7 @@ int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const
         words[nwords++] = w;
     }
     pthread_mutex_unlock(&p->sh_mu);
-    int rc = FMC_ERR_MEMORY;
+    int rc;
     sh_part parts[SH_MAX_PARTS];
     memset(parts, 0, sizeof parts);
     int cap = n + nwords;
