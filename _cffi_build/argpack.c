@@ -4,8 +4,8 @@
  * cffi costs ~70 ns an element on a small VM, which for 1024 blocks of 4 KiB is as long as the
  * copy itself.  This CPython extension walks the lists once, checks every element (integers in
  * [0, 2**64), no bools, no floats; numpy integers through __index__), sums the lengths, and
- * writes one bytearray laid out as local[n] | remote[n] | lengths[n], which cffi then views
- * without copying (ffi.from_buffer).  It is not part of the C core: it never touches payload.
+ * writes one bytes object laid out as local[n] | remote[n] | lengths[n], which cffi hands to the
+ * core as a `const char *` (or views without copying, ffi.from_buffer).  It is not part of the C core: it never touches payload.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,7 +50,7 @@ static inline void continue_total(int list, uint64_t x, uint64_t *total, int *ov
     }
 }
 
-/* pack3(buffers, peer_addresses, lengths) -> (bytearray, n, total_bytes) */
+/* pack3(buffers, peer_addresses, lengths) -> (bytes, n, total_bytes) */
 static PyObject *pack3(PyObject *self, PyObject *args)
 {
     PyObject *in[3], *seq[3] = {NULL, NULL, NULL}, *out = NULL, *result = NULL;
@@ -71,10 +71,10 @@ static PyObject *pack3(PyObject *self, PyObject *args)
     }
     /* At least one element per list, so an empty call still yields valid pointers. */
     Py_ssize_t slots = n > 0 ? n : 1;
-    out = PyByteArray_FromStringAndSize(NULL, 3 * slots * (Py_ssize_t)sizeof(uint64_t));
+    out = PyBytes_FromStringAndSize(NULL, 3 * slots * (Py_ssize_t)sizeof(uint64_t)); /* filled before anyone sees it */
     if (out == NULL)
         goto done;
-    uint64_t *dst = (uint64_t *)PyByteArray_AS_STRING(out);
+    uint64_t *dst = (uint64_t *)(void *)PyBytes_AS_STRING(out);
     if (n == 0)
         memset(dst, 0, 3 * sizeof(uint64_t));
     uint64_t total = 0;
@@ -115,7 +115,7 @@ done:
 
 static PyMethodDef METHODS[] = {
     {"pack3", pack3, METH_VARARGS,
-     "pack3(buffers, peer_addresses, lengths) -> (bytearray local|remote|lengths as u64, n, total bytes)"},
+     "pack3(buffers, peer_addresses, lengths) -> (bytes local|remote|lengths as u64, n, total bytes)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -39,6 +39,17 @@ typedef struct {
     uint64_t vectors_served;       /* of which vector requests (many small slices in one) */
 } fmc_stats;
 
+/* Successful synchronous transfer calls to one peer name, counted by the core as they return
+ * (metrics.py adds the failures it sees and reads these; the struct is owned by Python). */
+enum { FMC_LATENCY_BUCKETS = 19 }; /* 18 upper bounds and +Inf */
+typedef struct {
+    uint64_t calls;
+    uint64_t bytes_written;
+    uint64_t bytes_read;
+    uint64_t latency_us;           /* sum over calls */
+    uint64_t buckets[19];          /* FMC_LATENCY_BUCKETS */
+} fmc_call_stats;
+
 const char *fmc_version(void);
 const char *fmc_last_error(void);
 int fmc_data_header_size(void);
@@ -77,6 +88,8 @@ int fmc_peer_shared_region_count(fmc_peer *peer);
 int fmc_peer_set_region_ipc(fmc_peer *peer, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);
+void fmc_peer_set_call_stats(fmc_peer *peer, fmc_call_stats *stats);
+uint64_t fmc_latency_bucket_bound_us(int index);
 void fmc_peer_close(fmc_peer *peer);
 void fmc_peer_release(fmc_peer *peer);
 
@@ -90,6 +103,7 @@ void fmc_batch_free(fmc_batch *batch);
 int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms);
 int fmc_transfer_one(fmc_peer *peer, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t timeout_ms);
+int fmc_transfer_packed(fmc_peer *peer, int opcode, int n, const char *packed, int64_t timeout_ms);
 
 /* baselines (bench only) */
 int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);

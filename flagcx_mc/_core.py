@@ -235,6 +235,16 @@ class CorePeer:
         rc = lib.fmc_transfer(self._ptr, opcode, n, local, remote, lens, int(timeout_ms))
         return rc, (last_error() if rc < 0 else "")
 
+    def transfer_packed(self, opcode: int, n: int, packed: bytes, timeout_ms: int) -> Tuple[int, str]:
+        """The three lists as one pack3 buffer: no cffi views to build."""
+        rc = lib.fmc_transfer_packed(self._ptr, opcode, n, packed, timeout_ms)
+        return rc, (last_error() if rc < 0 else "")
+
+    def set_call_stats(self, stats) -> None:
+        """Where the core counts this peer's successful transfer calls (an fmc_call_stats * that
+        the caller keeps alive for as long as the peer)."""
+        lib.fmc_peer_set_call_stats(self._ptr, stats)
+
     def transfer_one(self, opcode: int, local: int, remote: int, length: int, timeout_ms: int) -> Tuple[int, str]:
         """One range, as plain ints (checked by the caller): no arrays to build."""
         rc = lib.fmc_transfer_one(self._ptr, opcode, local, remote, length, timeout_ms)

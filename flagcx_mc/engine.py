@@ -148,7 +148,7 @@ class AsyncTransferEngine:
             await self._teardown()
             raise
         self._managed = ManagedPool(self._core.register, self._core.unregister)
-        self._sessions = SessionCache(self._core, self._config, self._executor, resolver)
+        self._sessions = SessionCache(self._core, self._config, self._executor, resolver, self.metrics)
         self._log_task = loop.create_task(self._drain_core_log())
         log.info("engine %s up (data port %d%s)", self._name, self._core.data_port,
                  "" if store is None else f", metadata server {url}")
@@ -340,7 +340,7 @@ class AsyncTransferEngine:
         sessions = self._require_sessions()
         if req.count == 0:
             return None
-        started, ok = time.perf_counter(), False
+        started = time.perf_counter()
         try:
             session = await sessions.get(target)
             rc, why = await self._in_executor(req.run, session, self._config)
@@ -349,10 +349,10 @@ class AsyncTransferEngine:
                 rc, why = await self._in_executor(req.run, session, self._config)
             if rc != 0:
                 raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
-            ok = True
-            return session
-        finally:
-            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, ok)
+            return session  # the core counted it (metrics.py)
+        except BaseException:
+            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, False)
+            raise
 
     # ------------------------------------------------------------------ asynchronous batches
 

@@ -1,9 +1,12 @@
 """Per-engine counters and per-peer latency histograms, readable from Python and exportable to
 Prometheus (``prometheus_client``, imported only when asked for).
 
-Counting happens in the facades around each transfer call (not per slice): one lock, a few
-integer adds.  The C core keeps its own byte counters (the flat keys of ``stats()``), which also see the
-traffic that peers drive into this engine.
+A synchronous transfer call that succeeds is counted by the C core as it returns (per peer
+name, in an ``fmc_call_stats`` struct this module owns), so the facades' fast path takes no
+lock, clock or dictionary; calls that fail are counted here, by the facades, with a lock.
+A call retried after a region-table refresh counts once.  The C core also keeps engine-wide
+byte counters (the flat keys of ``stats()``), which see the traffic that peers drive into this
+engine as well.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
+
+from ._core import ffi
 
 __all__ = ["EngineMetrics", "LATENCY_BUCKETS", "PeerStats", "export_prometheus"]
 
@@ -48,6 +53,16 @@ class EngineMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._peers: Dict[str, PeerStats] = {}
+        self._core_counts: Dict[str, Any] = {}  # peer name -> fmc_call_stats * (lives as long as this)
+
+    def core_counts(self, peer: str) -> Any:
+        """The struct the core counts ``peer``'s successful calls in; every session opened to that
+        name gets the same one, so reconnects keep adding up."""
+        with self._lock:
+            counts = self._core_counts.get(peer)
+            if counts is None:
+                counts = self._core_counts[peer] = ffi.new("fmc_call_stats *")
+            return counts
 
     def record(self, peer: str, is_write: bool, nbytes: int, seconds: float, ok: bool) -> None:
         bucket = bisect.bisect_left(LATENCY_BUCKETS, seconds)
@@ -68,10 +83,28 @@ class EngineMetrics:
     def snapshot(self) -> dict:
         """Totals and per-peer figures as plain data."""
         with self._lock:
-            peers = {name: s.as_dict() for name, s in self._peers.items()}
+            merged = {name: _plus_core(s, self._core_counts.get(name)) for name, s in self._peers.items()}
+            for name, counts in self._core_counts.items():
+                if name not in merged and counts.calls:
+                    merged[name] = _plus_core(PeerStats(), counts)
+            peers = {name: s.as_dict() for name, s in merged.items()}
         totals = {key: sum(p[key] for p in peers.values())
                   for key in ("bytes_written", "bytes_read", "transfers", "failures")}
         return {"totals": totals, "peers": peers}
+
+
+def _plus_core(stats: PeerStats, counts: Any) -> PeerStats:
+    """``stats`` (failures, counted in Python) plus the core's successful calls, as a new object."""
+    total = PeerStats(stats.bytes_written, stats.bytes_read, stats.transfers, stats.failures, stats.latency_sum,
+                      list(stats.latency_buckets))
+    if counts is not None:
+        total.transfers += counts.calls
+        total.bytes_written += counts.bytes_written
+        total.bytes_read += counts.bytes_read
+        total.latency_sum += counts.latency_us * 1e-6
+        for i in range(len(total.latency_buckets)):
+            total.latency_buckets[i] += counts.buckets[i]
+    return total
 
 
 def export_prometheus(engine, registry=None, prefix: str = "flagcx_mc"):

@@ -19,6 +19,7 @@ from ._core import PROTO_MOONCAKE, CoreEngine, CorePeer
 from .config import EngineConfig
 from .metadata import SegmentDesc
 from .local_segment import boot_id
+from .metrics import EngineMetrics
 from .resolvers import Resolver
 
 __all__ = ["Session", "SessionCache"]
@@ -43,8 +44,10 @@ class Session:
 class SessionCache:
     """Open sessions of one engine; lives on the engine's event loop."""
 
-    def __init__(self, core: CoreEngine, config: EngineConfig, executor: Executor, resolver: Resolver) -> None:
+    def __init__(self, core: CoreEngine, config: EngineConfig, executor: Executor, resolver: Resolver,
+                 metrics: EngineMetrics) -> None:
         self._core = core
+        self._metrics = metrics
         self._config = config
         self._executor = executor
         self._resolver = resolver
@@ -52,6 +55,12 @@ class SessionCache:
         self._opening: Dict[str, asyncio.Task] = {}
         self._refreshing: Dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
+
+    @property
+    def open_sessions(self) -> Dict[str, Session]:
+        """The live name -> session map (read it, don't change it): the sync facade's fast path
+        looks a session up here from the caller's thread."""
+        return self._open
 
     def peek(self, name: str) -> Optional[Session]:
         """The open, healthy session for ``name`` or None; safe from any thread."""
@@ -121,6 +130,7 @@ class SessionCache:
     async def _open_session(self, name: str) -> Session:
         host, port, desc = await self._resolve(name)
         peer = self._new_peer(host, desc)
+        peer.set_call_stats(self._metrics.core_counts(name))
         loop = asyncio.get_running_loop()
         timeout_ms = int(self._config.handshake_timeout * 1000)
         await loop.run_in_executor(self._executor, peer.connect, timeout_ms)

@@ -22,20 +22,19 @@ def needs_refresh(rc: int) -> bool:
 
 
 class TransferRequest:
-    """(local, remote, length) triplets converted to C arrays, plus what the deadline needs.
+    """(local, remote, length) triplets packed into one buffer of u64 arrays, plus what the
+    deadline needs.
 
     A plain slotted class: it is built on every transfer call, and a frozen dataclass's
     __init__ alone cost a microsecond there."""
 
-    __slots__ = ("opcode", "count", "total_bytes", "local", "remote", "lengths")
+    __slots__ = ("opcode", "count", "total_bytes", "packed")
 
-    def __init__(self, opcode: int, count: int, total_bytes: int, local: Any, remote: Any, lengths: Any) -> None:
+    def __init__(self, opcode: int, count: int, total_bytes: int, packed: bytes) -> None:
         self.opcode = opcode
         self.count = count
         self.total_bytes = total_bytes
-        self.local = local
-        self.remote = remote
-        self.lengths = lengths
+        self.packed = packed
 
     @classmethod
     def build(
@@ -46,13 +45,7 @@ class TransferRequest:
             packed, n, total = pack3(buffers, peer_addresses, lengths)
         except (TypeError, ValueError) as exc:
             raise errors.InvalidArgumentError(str(exc)) from None
-        arrays = ffi.from_buffer("uint64_t[]", packed)
-        slots = max(n, 1)
-        # `local` is the from_buffer view, which keeps `packed` alive; `remote` and `lens` only
-        # point into it, so whoever passes them to the core holds `local` too (this request, or
-        # a CoreBatch's keepalive).
-        local, remote, lens = arrays, arrays + slots, arrays + 2 * slots
-        return cls(opcode, n, total, local, remote, lens)
+        return cls(opcode, n, total, packed)
 
     @classmethod
     def single(cls, opcode: int, buffer: int, peer_address: int, length: int) -> "TransferRequest | SingleTransfer":
@@ -64,11 +57,14 @@ class TransferRequest:
     def run(self, session, config: EngineConfig) -> Tuple[int, str]:
         """Move the bytes (blocking, GIL released); returns (rc, reason)."""
         timeout_ms = int(config.timeout_for(self.total_bytes) * 1000)
-        return session.peer.transfer(self.opcode, self.count, self.local, self.remote, self.lengths, timeout_ms)
+        return session.peer.transfer_packed(self.opcode, self.count, self.packed, timeout_ms)
 
     def submit(self, session) -> CoreBatch:
         """Start the transfer without waiting (raises for ranges outside registered memory)."""
-        return session.peer.submit(self.opcode, self.count, self.local, self.remote, self.lengths)
+        # The batch keeps the view (which keeps `packed`) alive; remote and lengths point into it.
+        arrays = ffi.from_buffer("uint64_t[]", self.packed)
+        slots = max(self.count, 1)
+        return session.peer.submit(self.opcode, self.count, arrays, arrays + slots, arrays + 2 * slots)
 
 
 class SingleTransfer:

@@ -1,6 +1,7 @@
 """The transfer-call argument packer: every element checked, packed exactly, errors named."""
 
 import array
+import struct
 
 import numpy as np
 import pytest
@@ -56,12 +57,16 @@ def test_bad_input_is_refused_with_the_list_named(args, message):
     assert message in str(info.value)
 
 
-def test_request_views_stay_valid_after_the_lists_are_gone():
-    req = TransferRequest.build(OP_WRITE, [10, 11, 12], [20, 21, 22], [1, 2, 3])
+def test_request_packs_the_three_lists_into_one_immutable_buffer():
+    lists = ([10, 11, 12], [20, 21, 22], [1, 2, 3])
+    req = TransferRequest.build(OP_WRITE, *lists)
+    for values in lists:
+        values[0] = 99  # the caller's lists may change once the call has them
     assert (req.count, req.total_bytes) == (3, 6)
-    assert [req.local[i] for i in range(3)] == [10, 11, 12]
-    assert [req.remote[i] for i in range(3)] == [20, 21, 22]
-    assert [req.lengths[i] for i in range(3)] == [1, 2, 3]
+    assert isinstance(req.packed, bytes)
+    assert struct.unpack("=9Q", req.packed) == (10, 11, 12, 20, 21, 22, 1, 2, 3)
+    empty = TransferRequest.build(OP_WRITE, [], [], [])
+    assert (empty.count, empty.total_bytes, struct.unpack("=3Q", empty.packed)) == (0, 0, (0, 0, 0))
 
 
 def test_no_memory_is_kept_across_calls_good_or_bad():

@@ -43,3 +43,42 @@ def test_counters_histograms_and_failure_logs(node, caplog):
 async def test_async_engine_counts_too(engine, node, local_buf):
     await engine.transfer_sync_write(node.session, local_buf.addr, node.addr(1), 4096)
     assert engine.stats()["peers"][node.session]["bytes_written"] == 4096
+
+
+def test_core_latency_buckets_match_the_python_ones():
+    from flagcx_mc._core import lib
+
+    bounds = [lib.fmc_latency_bucket_bound_us(i) for i in range(lib.FMC_LATENCY_BUCKETS - 1)]
+    assert lib.FMC_LATENCY_BUCKETS == len(LATENCY_BUCKETS) + 1
+    assert bounds == [round(b * 1e6) for b in LATENCY_BUCKETS]
+    assert lib.fmc_latency_bucket_bound_us(len(LATENCY_BUCKETS)) == 2**64 - 1  # +Inf
+
+
+def test_counts_survive_a_reconnect_and_many_threads(node):
+    """The core counts successful calls per peer name: a new session to the same name adds to the
+    same totals, and concurrent callers lose no count."""
+    import threading
+
+    eng = TransferEngine()
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = HostBuffer(1 << 16)
+    try:
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        assert eng.transfer_sync_write(node.session, buf.addr, node.addr(0), 100) == 0
+        eng.get_conn(node.session).peer.close()  # the next call finds it unhealthy and reconnects
+
+        def writer():
+            for _ in range(200):
+                assert eng.batch_transfer_sync_write(node.session, [buf.addr], [node.addr(0)], [10]) == 0
+
+        threads = [threading.Thread(target=writer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        peer = eng.stats()["peers"][node.session]
+        assert (peer["transfers"], peer["bytes_written"], peer["failures"]) == (801, 100 + 800 * 10, 0)
+        assert sum(peer["latency_buckets"].values()) == 801 and peer["latency_sum_seconds"] > 0
+    finally:
+        eng.close()
+        buf.close()

@@ -424,6 +424,38 @@ void fmc_batch_free(fmc_batch *b)
     fmc_peer_release(p);
 }
 
+/* Upper bounds of the latency buckets of fmc_call_stats, in microseconds; metrics.py's
+ * LATENCY_BUCKETS (seconds) say the same, and tests/test_metrics.py checks that they do. */
+static const uint64_t latency_bounds_us[FMC_LATENCY_BUCKETS - 1] = {
+    50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000,
+    2500000, 5000000, 10000000, 30000000};
+
+uint64_t fmc_latency_bucket_bound_us(int index)
+{
+    return index >= 0 && index < FMC_LATENCY_BUCKETS - 1 ? latency_bounds_us[index] : UINT64_MAX;
+}
+
+void fmc_peer_set_call_stats(fmc_peer *p, fmc_call_stats *stats) { p->call_stats = stats; }
+
+/* A successful synchronous call, counted here so that the Python facades need no lock, clock or
+ * dictionary on their fast path.  Relaxed atomics: readers want totals, not a consistent cut. */
+static void count_call(fmc_peer *p, int opcode, int n, const uint64_t *lens, int64_t start_us)
+{
+    fmc_call_stats *c = p->call_stats;
+    if (!c)
+        return;
+    uint64_t bytes = 0, us = (uint64_t)(fmc_now_us() - start_us);
+    for (int i = 0; i < n; i++)
+        bytes += lens[i];
+    int k = 0; /* the first bucket whose bound is >= us, like bisect_left */
+    while (k < FMC_LATENCY_BUCKETS - 1 && us > latency_bounds_us[k])
+        k++;
+    __atomic_fetch_add(&c->calls, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(opcode == FMC_OP_WRITE ? &c->bytes_written : &c->bytes_read, bytes, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c->latency_us, us, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c->buckets[k], 1, __ATOMIC_RELAXED);
+}
+
 int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms)
 {
@@ -448,7 +480,22 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
                       rc == FMC_ERR_REMOTE_REFUSED ? "the target refused a range" : "connection lost");
     }
     fmc_batch_free(b);
+    if (rc == FMC_OK)
+        count_call(p, opcode, n, lens, start_us);
     return rc;
+}
+
+/* The three lists as _argpack.pack3 lays them out in one buffer: local[n] | remote[n] | lens[n]
+ * (at least one slot each), so a Python call hands over one bytes object and no views. */
+int fmc_transfer_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t timeout_ms)
+{
+    if (!packed || n < 0) {
+        fmc_set_error("transfer: no arguments");
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    const uint64_t *local = (const uint64_t *)(const void *)packed;
+    size_t slots = n > 0 ? (size_t)n : 1;
+    return fmc_transfer(p, opcode, n, local, local + slots, local + 2 * slots, timeout_ms);
 }
 
 /* One range: what transfer_sync_write/read pass, without building arrays in Python. */

@@ -285,6 +285,7 @@ struct fmc_peer {
     atomic_uint_fast32_t rr;  /* round-robin start stream */
     atomic_int hot_stream;    /* the stream small batches prefer (see start_stream) */
     atomic_uint_fast64_t next_id;
+    fmc_call_stats *call_stats; /* set once before the first transfer, or NULL */
     fmc_stream streams[FMC_MAX_STREAMS];
 };
 

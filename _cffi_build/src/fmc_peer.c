@@ -1170,17 +1170,14 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
     return fmc_peer_is_healthy(p) ? FMC_OK : FMC_ERR_MEMORY;
 }
 
+/* Called before every synchronous transfer, so it takes no lock: each flag is one int that its
+ * writers change under their mutex, read here atomically.  A stream that dies right after this
+ * fails the transfer itself, as it would with locks. */
 int fmc_peer_is_healthy(fmc_peer *p)
 {
-    pthread_mutex_lock(&p->mu);
-    int ok = p->connected && !p->closed;
-    pthread_mutex_unlock(&p->mu);
-    for (int i = 0; ok && i < p->nstreams; i++) {
-        fmc_stream *st = &p->streams[i];
-        pthread_mutex_lock(&st->mu);
-        ok = !st->dead;
-        pthread_mutex_unlock(&st->mu);
-    }
+    int ok = __atomic_load_n(&p->connected, __ATOMIC_ACQUIRE) && !__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE);
+    for (int i = 0; ok && i < p->nstreams; i++)
+        ok = !__atomic_load_n(&p->streams[i].dead, __ATOMIC_ACQUIRE);
     return ok;
 }
 
