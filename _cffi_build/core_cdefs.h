@@ -114,4 +114,4 @@ int fmc_baseline_cuda_alloc(int device, uint64_t size, uint64_t *ptr_out);
 int fmc_baseline_cuda_free(int device, uint64_t ptr);
 int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len);
 int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
-                          double *gbps_out);
+                          int wait_each_batch, double *gbps_out);

@@ -230,13 +230,9 @@ class CorePeer:
     def healthy(self) -> bool:
         return bool(lib.fmc_peer_is_healthy(self._ptr))
 
-    def transfer(self, opcode: int, n: int, local, remote, lens, timeout_ms: int) -> Tuple[int, str]:
-        """Submit and wait in one core call (GIL released); returns (rc, reason)."""
-        rc = lib.fmc_transfer(self._ptr, opcode, n, local, remote, lens, int(timeout_ms))
-        return rc, (last_error() if rc < 0 else "")
-
     def transfer_packed(self, opcode: int, n: int, packed: bytes, timeout_ms: int) -> Tuple[int, str]:
-        """The three lists as one pack3 buffer: no cffi views to build."""
+        """Submit and wait in one core call (GIL released); returns (rc, reason).  The three
+        lists come as one pack3 buffer: no cffi views to build."""
         rc = lib.fmc_transfer_packed(self._ptr, opcode, n, packed, timeout_ms)
         return rc, (last_error() if rc < 0 else "")
 

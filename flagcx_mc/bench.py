@@ -456,7 +456,8 @@ def run_bench(opts: BenchOptions) -> int:
         if not ok:
             print(f"{t.name}: {reason}", file=sys.stderr)
     running = [t for t in chosen if transports[t.name]["available"]]
-    limits = [b for b in bl.BASELINES if b != "mooncake" and any(t.limit == b for t in running)]
+    wanted = {t.limit for t in running} | {extra for t in running for extra in bl.also_against(t.limit)}
+    limits = [b for b in bl.BASELINES if b != "mooncake" and b in wanted]
     progress = _Progress(len(limits) * len(shapes) + len(running) * (len(opts.ops) * len(shapes) + 1))
     baselines, missing = _measure_baselines(limits, shapes, opts, progress)
     result.update(transports=transports, baselines=baselines, baselines_missing=missing, rows=[], latency=[])

@@ -214,15 +214,16 @@ def test_cuda_baseline_is_absent_or_works():
         assert why
         with pytest.raises((bl.BaselineUnavailable, errors.FlagcxMcError)):
             bl.cuda_d2d_gbps(4096, 4096, 4096)
-        assert lib.fmc_baseline_cuda_d2d(0, 0, 4096, 4096, 4096, out) < 0
+        assert lib.fmc_baseline_cuda_d2d(0, 0, 4096, 4096, 4096, 1, out) < 0
     else:
         assert bl.cuda_d2d_gbps(1 << 20, 8 * MiB, 64 * MiB) > 0
+        assert bl.measure("cuda d2d b2b", 1 << 20, 8 * MiB, 64 * MiB) > 0
         buf = bl.CudaBuffer(1 << 20)
         try:
             digest = buf.fill_random(0, 1 << 20)
             assert buf.digest(0, 1 << 20) == digest
         finally:
             buf.close()
-    assert lib.fmc_baseline_cuda_d2d(-1, 0, 4096, 4096, 4096, out) < 0
-    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, out) == lib.FMC_ERR_INVALID_ARGUMENT
+    assert lib.fmc_baseline_cuda_d2d(-1, 0, 4096, 4096, 4096, 1, out) < 0
+    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == lib.FMC_ERR_INVALID_ARGUMENT
     assert lib.fmc_baseline_cuda_devices(ffi.NULL) == lib.FMC_ERR_INVALID_ARGUMENT

@@ -12,8 +12,10 @@
  *   fmc_baseline_pvm     process_vm_writev from this process into a forked child, up to 1024
  *                        blocks per call
  *   fmc_baseline_cuda_*  device-to-device copies through the CUDA driver API, loaded with dlopen
- *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver); plus allocation and
- *                        copy helpers, so the benchmark can own device memory without a framework
+ *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver): each batch's copies
+ *                        queued on a stream and waited for, as a synchronous transfer must, or
+ *                        queued back to back with one wait at the end; plus allocation and copy
+ *                        helpers, so the benchmark can own device memory without a framework
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -415,6 +417,10 @@ typedef int (*cu_free_fn)(uint64_t);
 typedef int (*cu_copy_fn)(uint64_t, uint64_t, size_t);
 typedef int (*cu_peer_fn)(uint64_t, void *, uint64_t, void *, size_t);
 typedef int (*cu_memset_fn)(uint64_t, unsigned char, size_t);
+typedef int (*cu_stream_create_fn)(void **, unsigned);
+typedef int (*cu_stream_fn)(void *);
+typedef int (*cu_copy_async_fn)(uint64_t, uint64_t, size_t, void *);
+typedef int (*cu_peer_async_fn)(uint64_t, void *, uint64_t, void *, size_t, void *);
 
 static struct {
     pthread_once_t once;
@@ -429,6 +435,10 @@ static struct {
     cu_copy_fn copy;
     cu_peer_fn peer;
     cu_memset_fn memset;
+    cu_stream_create_fn stream_create;
+    cu_stream_fn stream_destroy, stream_sync;
+    cu_copy_async_fn copy_async;
+    cu_peer_async_fn peer_async;
 } cu = {.once = PTHREAD_ONCE_INIT};
 
 static void cu_load(void)
@@ -448,8 +458,14 @@ static void cu_load(void)
     cu.copy = (cu_copy_fn)dlsym(h, "cuMemcpy");
     cu.peer = (cu_peer_fn)dlsym(h, "cuMemcpyPeer");
     cu.memset = (cu_memset_fn)dlsym(h, "cuMemsetD8_v2");
+    cu.stream_create = (cu_stream_create_fn)dlsym(h, "cuStreamCreate");
+    cu.stream_destroy = (cu_stream_fn)dlsym(h, "cuStreamDestroy_v2");
+    cu.stream_sync = (cu_stream_fn)dlsym(h, "cuStreamSynchronize");
+    cu.copy_async = (cu_copy_async_fn)dlsym(h, "cuMemcpyAsync");
+    cu.peer_async = (cu_peer_async_fn)dlsym(h, "cuMemcpyPeerAsync");
     if (!init || !cu.count || !cu.device_get || !cu.retain || !cu.set_current || !cu.sync || !cu.alloc ||
-        !cu.free || !cu.copy || !cu.peer || !cu.memset || init(0) != 0)
+        !cu.free || !cu.copy || !cu.peer || !cu.memset || !cu.stream_create || !cu.stream_destroy ||
+        !cu.stream_sync || !cu.copy_async || !cu.peer_async || init(0) != 0)
         return;
     cu.rc = 0;
 }
@@ -527,13 +543,17 @@ int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len)
     return 0;
 }
 
+/* wait_each_batch: every span's blocks (one batch of the workload) are queued on a
+ * non-blocking stream and waited for before the next batch, which is what a synchronous
+ * transfer call has to do; 0: all copies back to back, one wait at the end (the copy engine's
+ * streaming rate, which no call that waits for its bytes can reach at one block per call). */
 int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
-                          double *gbps_out)
+                          int wait_each_batch, double *gbps_out)
 {
     int rc = check_shape(block, span, total, gbps_out);
     if (rc < 0)
         return rc;
-    void *src_ctx = NULL, *dst_ctx = NULL;
+    void *src_ctx = NULL, *dst_ctx = NULL, *stream = NULL;
     uint64_t nblocks = span / block, len = nblocks * block, src = 0, dst = 0;
     if ((rc = cu_use(dst_device, &dst_ctx)) < 0)
         return rc;
@@ -541,11 +561,15 @@ int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64
         fmc_set_error("cuMemAlloc of %llu bytes failed on device %d", (unsigned long long)len, dst_device);
         return FMC_ERR_MEMORY;
     }
-    if ((rc = cu_use(src_device, &src_ctx)) < 0 || cu.alloc(&src, len) != 0) {
+    if ((rc = cu_use(src_device, &src_ctx)) < 0 || cu.alloc(&src, len) != 0 ||
+        cu.stream_create(&stream, 1 /* CU_STREAM_NON_BLOCKING */) != 0) {
+        if (src)
+            cu.free(src);
         cu_use(dst_device, NULL);
         cu.free(dst);
         if (rc == 0)
-            fmc_set_error("cuMemAlloc of %llu bytes failed on device %d", (unsigned long long)len, src_device);
+            fmc_set_error("cannot allocate %llu bytes and a stream on device %d", (unsigned long long)len,
+                          src_device);
         return rc < 0 ? rc : FMC_ERR_MEMORY;
     }
     cu.memset(src, 0x5a, len);
@@ -556,14 +580,17 @@ int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64
     while (moved < total && !failed) {
         uint64_t n = total - moved < block ? total - moved : block;
         if (src_device == dst_device)
-            failed = cu.copy(dst + i * block, src + i * block, n) != 0;
+            failed = cu.copy_async(dst + i * block, src + i * block, n, stream) != 0;
         else
-            failed = cu.peer(dst + i * block, dst_ctx, src + i * block, src_ctx, n) != 0;
+            failed = cu.peer_async(dst + i * block, dst_ctx, src + i * block, src_ctx, n, stream) != 0;
         moved += n;
         i = i + 1 == nblocks ? 0 : i + 1;
+        if (wait_each_batch && (i == 0 || moved == total))
+            failed |= cu.stream_sync(stream) != 0;
     }
-    failed |= cu.sync() != 0;
+    failed |= cu.stream_sync(stream) != 0;
     double t1 = now_s();
+    cu.stream_destroy(stream);
     cu.free(src);
     cu_use(dst_device, NULL);
     cu.free(dst);
