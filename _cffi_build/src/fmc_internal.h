@@ -52,6 +52,14 @@ int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
 /* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 int fmc_recv_all(int fd, void *buf, size_t len);
+
+/* Zero-copy sends (fmc_splice.c): iovecs flagged in zc[] go through vmsplice + splice (the
+ * pipe is opened on first use, closed with fmc_zc_pipe_close), the rest through sendmsg.  Only
+ * for memory that stays untouched until the peer has read it: write payloads from the caller. */
+#define FMC_ZC_MIN_BYTES (128u << 10)
+int fmc_zc_enabled(void);
+int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);
+void fmc_zc_pipe_close(int pipefd[2]);
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
 int fmc_tcp_connect(const char *host, int port, int timeout_ms);
 void fmc_tune_socket(int fd);
@@ -247,6 +255,7 @@ typedef struct fmc_stream {
     int caller_recv;          /* a caller owns the receive side */
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
+    int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
     fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/mman.h>
@@ -123,6 +124,7 @@ typedef struct send_scratch {
     uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
     uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
     struct iovec iov[FMC_IOV_MAX];
+    uint8_t zc[FMC_IOV_MAX];        /* iov[i] may go out zero-copy (fmc_splice.c) */
     fmc_slice *writes[FMC_IOV_MAX]; /* write slices of the current sendmsg */
     uint64_t copy_dst[FMC_IOV_MAX], copy_src[FMC_IOV_MAX]; /* its GPU sources' staging copies */
     size_t copy_len[FMC_IOV_MAX];
@@ -217,7 +219,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (!st->scratch && !(st->scratch = malloc(sizeof *st->scratch)))
         return -1;
     send_scratch *sc = st->scratch;
-    int niov = 0, nh = 0, nw = 0, nent = 0;
+    int niov = 0, nh = 0, nw = 0, nent = 0, nzc = 0;
     size_t bytes = 0;
     st->sending_active = 1;
     while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
@@ -241,10 +243,12 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITEV : FMC_WIRE_OP_READV, .key = (uint32_t)k,
                          .id = s->id, .addr = 0, .len = sum};
             fmc_req_encode(sc->hdr[nh], &q);
+            sc->zc[niov] = sc->zc[niov + 1] = 0;
             sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
             sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
             bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
+                sc->zc[niov] = 0;
                 sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = x->len};
                 bytes += x->len;
                 x->sending = 1;
@@ -258,9 +262,13 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         list_push(&st->inflight, s);
         s->vec_n = 1;
         size_t hlen = encode_request(st->peer->proto, s, is_write, sc->hdr[nh]);
+        sc->zc[niov] = 0;
         sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
         bytes += hlen;
         if (is_write) {
+            /* Only to our own targets: they check for a reset before a large payload lands. */
+            sc->zc[niov] = s->local_dev < 0 && s->len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
+            nzc += sc->zc[niov];
             sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
             bytes += s->len;
             s->sending = 1;
@@ -272,8 +280,10 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     int fd = st->fd;
     pthread_mutex_unlock(&st->mu);
     int rc = stage_gpu_sources(st, sc, niov, nw);
-    if (rc == 0)
-        rc = deadline_ms < 0 ? fmc_sendv_all(fd, sc->iov, niov) : fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
+    if (rc == 0 && deadline_ms >= 0)
+        rc = fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
+    else if (rc == 0)
+        rc = nzc && fmc_zc_enabled() ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
     pthread_mutex_lock(&st->mu);
     /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
      * set, so the pointers are still valid; the ones already answered are ours to finish. */
@@ -297,6 +307,12 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
 void *fmc_stream_send_main(void *arg)
 {
     fmc_stream *st = arg;
+    /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
+     * process (EPIPE is enough); a signal left pending on this thread dies with it. */
+    sigset_t pipe_signal;
+    sigemptyset(&pipe_signal);
+    sigaddset(&pipe_signal, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     pthread_mutex_lock(&st->mu);
     for (;;) {
         while (!st->dead && (!st->pending.head || st->sending_active))
@@ -721,6 +737,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
         st->wake_fd = -1;
+        st->zc_pipe[0] = st->zc_pipe[1] = -1;
     }
     *out = p;
     return FMC_OK;
@@ -1212,6 +1229,7 @@ void fmc_peer_release(fmc_peer *p)
     for (int i = 0; i < p->nstreams; i++) {
         fmc_staging_release(&p->streams[i].send_stage);
         free(p->streams[i].scratch);
+        fmc_zc_pipe_close(p->streams[i].zc_pipe);
         fmc_staging_release(&p->streams[i].recv_stage);
         fmc_staging_release(&p->streams[i].recv_stage2);
         fmc_reader_free(&p->streams[i].rd);

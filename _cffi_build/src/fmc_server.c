@@ -134,6 +134,16 @@ static void release_held(conn_state *cs)
 
 static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
+/* A large write's payload may have been sent zero-copy (fmc_splice.c): its bytes are read out
+ * of the initiator's pages only now.  An initiator that reset the connection has failed that
+ * call and may be reusing those pages, so such a payload must not land: one poll() says whether
+ * the connection was reset (the bytes queued before the reset would still be readable). */
+static int initiator_gave_up(conn_state *cs)
+{
+    struct pollfd pfd = {.fd = cs->c->fd, .events = 0};
+    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
+}
+
 /* Send what is queued now (pins stay until the flush): room for a run's answers. */
 static int send_queued(conn_state *cs)
 {
@@ -645,6 +655,10 @@ static void serve(conn_state *cs)
             break;
         }
         fmc_region *r = pin(cs, q.addr, q.len, &q.key, q.opcode == FMC_WIRE_OP_WRITE);
+        if (q.opcode == FMC_WIRE_OP_WRITE && q.len >= FMC_ZC_MIN_BYTES && r && initiator_gave_up(cs)) {
+            unpin(cs, r);
+            break;
+        }
         if (q.opcode == FMC_WIRE_OP_WRITE) {
             int rc;
             if (r && r->cuda_dev >= 0) {

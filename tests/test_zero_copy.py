@@ -1,0 +1,94 @@
+"""Large write payloads leave through vmsplice + splice (fmc_splice.c): the target copies them
+out of the caller's pages after the send returned.  These tests hold the engine to what makes
+that safe: a call returns only once the bytes are at the target, a rewritten source never
+reaches it, the result is the same with the feature off, and a peer vanishing mid-send raises
+no SIGPIPE in a process that has not ignored it."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from flagcx_mc import HostBuffer, TransferEngine
+from flagcx_mc.node import NodeProcess
+
+MIB = 1 << 20
+SIZE = 32 * MIB
+
+
+@pytest.fixture(scope="module")
+def target():
+    node = NodeProcess(regions=[SIZE], config={"transfer_timeout": 10.0})
+    yield node
+    node.close()
+
+
+def test_source_rewritten_right_after_each_write_never_reaches_the_target(target):
+    eng = TransferEngine(transfer_timeout=10.0)
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = HostBuffer(SIZE)
+    try:
+        assert eng.register_memory(buf.addr, SIZE) == 0
+        for round_ in range(4):
+            digest = buf.fill_random(0, SIZE)
+            blocks = 8
+            block = SIZE // blocks
+            assert eng.batch_transfer_sync_write(target.session, [buf.addr + i * block for i in range(blocks)],
+                                                 [target.addr(0, i * block) for i in range(blocks)],
+                                                 [block] * blocks) == 0
+            buf.fill(0xEE - round_, 0, SIZE)  # at once: any byte still read from these pages would show
+            assert target.call("digest", region=0, offset=0, length=SIZE)["digest"] == digest
+    finally:
+        eng.close()
+        buf.close()
+
+
+@pytest.mark.parametrize("zero_copy", ["0", "1"])
+def test_the_bytes_are_the_same_with_zero_copy_on_and_off(target, zero_copy):
+    initiator = NodeProcess(regions=[SIZE], env={"FLAGCX_MC_ZEROCOPY": zero_copy})
+    try:
+        digest = initiator.call("fill", region=0, offset=0, length=SIZE)["digest"]
+        items = [[0, off, target.addr(0, off), 3 * MIB + 4096] for off in range(0, SIZE - 4 * MIB, 4 * MIB)]
+        items.append([0, SIZE - 1 * MIB, target.addr(0, SIZE - 1 * MIB), 1 * MIB])
+        assert initiator.call("transfer", op="write", target=target.session, items=items)["rc"] == 0
+        for _, off, _, length in items:
+            want = initiator.call("digest", region=0, offset=off, length=length)["digest"]
+            assert target.call("digest", region=0, offset=off, length=length)["digest"] == want
+        assert initiator.call("digest", region=0, offset=0, length=SIZE)["digest"] == digest
+    finally:
+        initiator.close()
+
+
+def test_a_target_killed_mid_write_fails_the_call_without_sigpipe():
+    """The initiator runs with SIGPIPE's default action (death), as a C host program would."""
+    initiator = NodeProcess(regions=[64 * MIB], env={"FLAGCX_MC_NODE_SIGPIPE_DEFAULT": "1"},
+                            config={"transfer_timeout": 10.0})
+    try:
+        failed = False
+        for attempt in range(5):
+            victim = NodeProcess(regions=[64 * MIB])
+            try:
+                small = [[0, 0, victim.addr(0), 4096]]
+                assert initiator.call("transfer", op="write", target=victim.session, items=small)["rc"] == 0
+                items = [[0, i * 4 * MIB, victim.addr(0, i * 4 * MIB), 4 * MIB] for i in range(16)] * 8
+                result = {}
+                caller = threading.Thread(target=lambda: result.update(
+                    initiator.call("transfer", timeout=60, op="write", target=victim.session, items=items)))
+                caller.start()
+                time.sleep(0.02 + 0.02 * attempt)
+                os.kill(victim.pid, signal.SIGKILL)
+                caller.join(60)
+                assert not caller.is_alive()
+            finally:
+                victim.kill()
+            assert initiator.proc.poll() is None, f"initiator died (signal {-initiator.proc.returncode})"
+            if result.get("rc", 0) != 0:
+                failed = True
+                break
+        assert failed, "the target never died while the write was running"
+        assert initiator.call("stats")  # still answering
+    finally:
+        initiator.close()
