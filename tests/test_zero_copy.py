@@ -26,7 +26,8 @@ def target():
     node.close()
 
 
-def test_source_rewritten_right_after_each_write_never_reaches_the_target(target):
+@pytest.mark.parametrize("block", [4 * MIB, 16 << 10], ids=["single requests", "vectors"])
+def test_source_rewritten_right_after_each_write_never_reaches_the_target(target, block):
     eng = TransferEngine(transfer_timeout=10.0)
     assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     buf = HostBuffer(SIZE)
@@ -34,8 +35,7 @@ def test_source_rewritten_right_after_each_write_never_reaches_the_target(target
         assert eng.register_memory(buf.addr, SIZE) == 0
         for round_ in range(4):
             digest = buf.fill_random(0, SIZE)
-            blocks = 8
-            block = SIZE // blocks
+            blocks = SIZE // block
             assert eng.batch_transfer_sync_write(target.session, [buf.addr + i * block for i in range(blocks)],
                                                  [target.addr(0, i * block) for i in range(blocks)],
                                                  [block] * blocks) == 0

@@ -247,8 +247,10 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
             sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
             bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
+            int zc = is_write && sum >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE; /* host memory */
+            nzc += zc;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
-                sc->zc[niov] = 0;
+                sc->zc[niov] = (uint8_t)zc;
                 sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = x->len};
                 bytes += x->len;
                 x->sending = 1;

@@ -541,9 +541,11 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
         return -1;
     }
     int rc = 0;
+    if (is_write && q->len >= FMC_ZC_MIN_BYTES && ok_bytes && initiator_gave_up(cs))
+        rc = -1; /* its payloads may be zero-copy from pages the initiator reuses: drop them */
     if (is_write) {
         struct iovec iov[FMC_VEC_MAX];
-        if (failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
+        if (rc == 0 && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
             rc = -1;
         if (rc == 0 && gpu_bytes == 0) {
             for (int i = 0; i < n; i++)

@@ -8,8 +8,9 @@
  * alone until the call completes, and completion comes only after the target has read every
  * byte.  A read's answer, by contrast, comes from a target region that may be unregistered and
  * reused once the answer is "sent", so those are copied into the socket as before; so are GPU
- * sources (their staging buffer is reused by the next round) and small payloads (two syscalls
- * a payload do not pay off).
+ * sources (their staging buffer is reused by the next round) and rounds with little payload
+ * (three syscalls instead of one do not pay off).  A vector's small payloads go through the
+ * pipe together, one vmsplice for as many as it holds.
  *
  * Where the kernel refuses (no vmsplice in a sandbox, a socket type splice cannot feed), the
  * first failure turns the feature off for the process and the bytes go out with sendmsg.
@@ -111,39 +112,52 @@ static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags)
     return 0;
 }
 
-/* One payload through the pipe; `more`: other bytes of this round follow it. */
-static int splice_payload(int fd, char *base, size_t len, int more, int pipefd[2])
+static void advance(struct iovec **iovp, int *cnt, size_t n)
 {
-    size_t done = 0;
-    while (done < len) {
-        struct iovec v = {.iov_base = base + done, .iov_len = len - done};
-        ssize_t in = vmsplice(pipefd[1], &v, 1, 0);
+    struct iovec *iov = *iovp;
+    while (*cnt > 0 && n >= iov->iov_len) {
+        n -= iov->iov_len;
+        iov++;
+        (*cnt)--;
+    }
+    if (*cnt > 0) {
+        iov->iov_base = (char *)iov->iov_base + n;
+        iov->iov_len -= n;
+    }
+    *iovp = iov;
+}
+
+/* A run of payloads through the pipe, as many per vmsplice as the pipe holds (the small
+ * payloads of a vector go together); `more`: other bytes of this round follow the run. */
+static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2])
+{
+    while (cnt > 0) {
+        ssize_t in = vmsplice(pipefd[1], iov, (unsigned long)cnt, 0);
         if (in < 0) {
             if (errno == EINTR)
                 continue;
             if (!unsupported(errno))
                 return -1;
             zc_turn_off();
-            return sendv_flags(fd, &v, 1, more ? MSG_MORE : 0);
+            return sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0);
         }
+        advance(&iov, &cnt, (size_t)in);
         size_t left = (size_t)in;
-        int flags = SPLICE_F_MOVE | (more || done + left < len ? SPLICE_F_MORE : 0);
+        int flags = SPLICE_F_MOVE | (more || cnt > 0 ? SPLICE_F_MORE : 0);
         while (left) {
             ssize_t out = splice(pipefd[0], NULL, fd, NULL, left, (unsigned)flags);
             if (out < 0 && errno == EINTR)
                 continue;
             if (out < 0 && unsupported(errno)) {
                 zc_turn_off();
-                if (drain_pipe_plainly(fd, pipefd, left, MSG_MORE) < 0)
+                if (drain_pipe_plainly(fd, pipefd, left, more || cnt > 0 ? MSG_MORE : 0) < 0)
                     return -1;
-                struct iovec rest = {.iov_base = base + done + (size_t)in, .iov_len = len - done - (size_t)in};
-                return rest.iov_len ? sendv_flags(fd, &rest, 1, more ? MSG_MORE : 0) : 0;
+                return cnt ? sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0) : 0;
             }
             if (out <= 0)
                 return -1; /* the stream dies; its pipe is closed with it */
             left -= (size_t)out;
         }
-        done += (size_t)in;
     }
     return 0;
 }
@@ -152,19 +166,19 @@ int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int p
 {
     int i = 0;
     while (i < iovcnt) {
-        int j = i;
+        int j = i; /* [i, j): plain; [j, k): zero-copy */
         while (j < iovcnt && !zc[j])
             j++;
-        int zero_copy = j < iovcnt && fmc_zc_enabled() && pipe_ready(pipefd);
-        int end = zero_copy ? j : (j < iovcnt ? j + 1 : j); /* a refused payload joins the plain run */
-        if (end > i && sendv_flags(fd, iov + i, end - i, end < iovcnt ? MSG_MORE : 0) < 0)
+        int k = j;
+        while (k < iovcnt && zc[k])
+            k++;
+        if (j < k && !(fmc_zc_enabled() && pipe_ready(pipefd)))
+            j = k; /* refused: the run joins the plain one */
+        if (j > i && sendv_flags(fd, iov + i, j - i, j < iovcnt ? MSG_MORE : 0) < 0)
             return -1;
-        if (zero_copy) {
-            if (splice_payload(fd, iov[j].iov_base, iov[j].iov_len, j + 1 < iovcnt, pipefd) < 0)
-                return -1;
-            end = j + 1;
-        }
-        i = end;
+        if (k > j && splice_run(fd, iov + j, k - j, k < iovcnt, pipefd) < 0)
+            return -1;
+        i = k;
     }
     return 0;
 }
