@@ -49,6 +49,9 @@ int fmc_reader_skip(fmc_reader *r, size_t n);
 
 int fmc_send_all(int fd, const void *buf, size_t len);
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
+/* fmc_sendv_all with extra sendmsg flags (MSG_MORE); consumes iov. */
+int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags);
+void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
 /* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 int fmc_recv_all(int fd, void *buf, size_t len);

@@ -66,32 +66,6 @@ static int pipe_ready(int pipefd[2])
     return 1;
 }
 
-static int sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags)
-{
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    while (iovcnt > 0) {
-        msg.msg_iov = iov;
-        msg.msg_iovlen = (size_t)iovcnt;
-        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        while (iovcnt > 0 && (size_t)n >= iov->iov_len) {
-            n -= (ssize_t)iov->iov_len;
-            iov++;
-            iovcnt--;
-        }
-        if (iovcnt > 0) {
-            iov->iov_base = (char *)iov->iov_base + n;
-            iov->iov_len -= (size_t)n;
-        }
-    }
-    return 0;
-}
-
 /* Bytes that sit in the pipe when splice turns out not to work here: read them back out (the
  * pipe holds page references, so this is an ordinary copy) and send them. */
 static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags)
@@ -105,26 +79,11 @@ static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags)
             return -1;
         }
         struct iovec v = {.iov_base = buf, .iov_len = (size_t)r};
-        if (sendv_flags(fd, &v, 1, flags) < 0)
+        if (fmc_sendv_flags(fd, &v, 1, flags) < 0)
             return -1;
         left -= (size_t)r;
     }
     return 0;
-}
-
-static void advance(struct iovec **iovp, int *cnt, size_t n)
-{
-    struct iovec *iov = *iovp;
-    while (*cnt > 0 && n >= iov->iov_len) {
-        n -= iov->iov_len;
-        iov++;
-        (*cnt)--;
-    }
-    if (*cnt > 0) {
-        iov->iov_base = (char *)iov->iov_base + n;
-        iov->iov_len -= n;
-    }
-    *iovp = iov;
 }
 
 /* A run of payloads through the pipe, as many per vmsplice as the pipe holds (the small
@@ -139,9 +98,9 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
             if (!unsupported(errno))
                 return -1;
             zc_turn_off();
-            return sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0);
+            return fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0);
         }
-        advance(&iov, &cnt, (size_t)in);
+        fmc_iov_advance(&iov, &cnt, (size_t)in);
         size_t left = (size_t)in;
         int flags = SPLICE_F_MOVE | (more || cnt > 0 ? SPLICE_F_MORE : 0);
         while (left) {
@@ -152,7 +111,7 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
                 zc_turn_off();
                 if (drain_pipe_plainly(fd, pipefd, left, more || cnt > 0 ? MSG_MORE : 0) < 0)
                     return -1;
-                return cnt ? sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0) : 0;
+                return cnt ? fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0) : 0;
             }
             if (out <= 0)
                 return -1; /* the stream dies; its pipe is closed with it */
@@ -174,7 +133,7 @@ int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int p
             k++;
         if (j < k && !(fmc_zc_enabled() && pipe_ready(pipefd)))
             j = k; /* refused: the run joins the plain one */
-        if (j > i && sendv_flags(fd, iov + i, j - i, j < iovcnt ? MSG_MORE : 0) < 0)
+        if (j > i && fmc_sendv_flags(fd, iov + i, j - i, j < iovcnt ? MSG_MORE : 0) < 0)
             return -1;
         if (k > j && splice_run(fd, iov + j, k - j, k < iovcnt, pipefd) < 0)
             return -1;

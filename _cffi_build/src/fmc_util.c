@@ -153,7 +153,6 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
     return fmc_recv_all(r->fd, (uint8_t *)dst + take, n - take);
 }
 
-static void iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
 
 int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
 {
@@ -161,7 +160,7 @@ int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
         size_t take = r->end - r->start < iov->iov_len ? r->end - r->start : iov->iov_len;
         memcpy(iov->iov_base, r->buf + r->start, take);
         r->start += take;
-        iov_advance(&iov, &iovcnt, take);
+        fmc_iov_advance(&iov, &iovcnt, take);
     }
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
@@ -173,7 +172,7 @@ int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
             continue;
         if (got <= 0)
             return -1;
-        iov_advance(&iov, &iovcnt, (size_t)got);
+        fmc_iov_advance(&iov, &iovcnt, (size_t)got);
     }
     return 0;
 }
@@ -217,8 +216,8 @@ int fmc_send_all(int fd, const void *buf, size_t len)
     return 0;
 }
 
-/* Skip the n bytes a partial sendmsg took. */
-static void iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
+/* Skip the n bytes a partial sendmsg (or vmsplice) took. */
+void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
 {
     struct iovec *iov = *iovp;
     while (*iovcnt > 0 && n >= iov->iov_len) {
@@ -233,23 +232,25 @@ static void iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
     *iovp = iov;
 }
 
-int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt)
+int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags)
 {
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
     while (iovcnt > 0) {
         msg.msg_iov = iov;
         msg.msg_iovlen = (size_t)iovcnt;
-        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             return -1;
         }
-        iov_advance(&iov, &iovcnt, (size_t)n);
+        fmc_iov_advance(&iov, &iovcnt, (size_t)n);
     }
     return 0;
 }
+
+int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt) { return fmc_sendv_flags(fd, iov, iovcnt, 0); }
 
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms)
 {
@@ -270,7 +271,7 @@ int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_m
                 return left <= 0 ? -2 : -1;
             continue;
         }
-        iov_advance(&iov, &iovcnt, (size_t)n);
+        fmc_iov_advance(&iov, &iovcnt, (size_t)n);
     }
     return 0;
 }
