@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import select
 import subprocess
 import sys
@@ -169,6 +170,22 @@ def serve_json_lines(handler: Any, commands: frozenset) -> None:
             return
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread is gone
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 class NodeError(RuntimeError):
     """The node answered with an error, died, or did not answer in time."""
 
@@ -228,6 +245,16 @@ class NodeProcess:
             except (NodeError, OSError, ValueError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+    def freeze(self, timeout: float = 5.0) -> None:
+        """SIGSTOP the node and return once every one of its threads has stopped: kill() only
+        queues the signal, and a thread spinning on another core can serve a request first."""
+        os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _all_threads_stopped(self.pid):
+            if time.monotonic() > deadline:
+                raise NodeError(f"node {self.pid} did not stop within {timeout} s")
+            time.sleep(0.0005)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -182,7 +182,7 @@ def test_killed_target_fails_every_waiting_call_then_comes_back_on_same_and_new_
         assert name == f"127.0.0.1:{port}"
         write_verified(eng, buf, target)
         # Freeze it first so that every call below is certainly in flight when it dies.
-        os.kill(target.pid, signal.SIGSTOP)
+        target.freeze()
         buf.fill(0x11, 0, BIG)
         buf.fill(0x00, BIG, BIG)
         calls = Calls()
@@ -252,7 +252,7 @@ def test_frozen_target_mid_batch_times_out_on_time_then_recovers(initiator):
         target.call("set", region=1, byte=0x33)
         buf.fill(0x11, 0, BIG)
         buf.fill(0x00, BIG, BIG)
-        os.kill(target.pid, signal.SIGSTOP)
+        target.freeze()
         calls = Calls()
         calls.start("batch write", lambda: eng.batch_transfer_sync_write(
             name, blocks(buf.addr), blocks(target.addr(0)), [BLOCK] * NBLOCKS))
@@ -324,7 +324,7 @@ def test_killed_initiator_frees_the_targets_connections_and_others_keep_going(in
         warm = [[0, 0, target.addr(0), 4096]]
         assert victim.call("transfer", op="write", target=target.session, items=warm)["rc"] == 0
         assert server_connections(target) > with_bystander
-        os.kill(target.pid, signal.SIGSTOP)
+        target.freeze()
         post(victim, "transfer", op="write", target=target.session, items=[[0, 0, target.addr(0), BIG]])
         time.sleep(0.3)
         victim.kill()
@@ -337,10 +337,10 @@ def test_killed_initiator_frees_the_targets_connections_and_others_keep_going(in
         victims.append(victim)
         warm = [[0, 0, target.addr(1), 4096]]
         assert victim.call("transfer", op="read", target=target.session, items=warm)["rc"] == 0
-        os.kill(target.pid, signal.SIGSTOP)
+        target.freeze()
         post(victim, "transfer", op="read", target=target.session, items=[[0, 0, target.addr(1), BIG]])
         time.sleep(0.3)  # the read requests now wait in the target's socket buffers
-        os.kill(victim.pid, signal.SIGSTOP)
+        victim.freeze()
         os.kill(target.pid, signal.SIGCONT)
         time.sleep(0.3)  # the target is now blocked sending to a reader that does not read
         assert server_connections(target) > with_bystander

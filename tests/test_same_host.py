@@ -62,7 +62,7 @@ async def test_a_frozen_target_still_receives_same_host_writes(sh_engine, local_
     target = await asyncio.to_thread(NodeProcess, regions=[1 << 20])
     try:
         await sh_engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), 8)
-        os.kill(target.pid, signal.SIGSTOP)
+        target.freeze()
         digest = local_buf.fill_random(0, 1 << 20)
         await sh_engine.transfer_sync_write(target.session, local_buf.addr, target.addr(0), 1 << 20)
         os.kill(target.pid, signal.SIGCONT)

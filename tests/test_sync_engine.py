@@ -230,7 +230,7 @@ def test_small_sync_write_whose_answer_comes_late(tcp_engine, node):
     buf.fill_random(0, 1 << 20)
     assert eng.transfer_sync_write(node.session, buf.addr, node.addr(0), 4096) == 0  # connected
     for i in range(3):
-        os.kill(node.pid, signal.SIGSTOP)
+        node.freeze()
         threading.Timer(0.05, os.kill, (node.pid, signal.SIGCONT)).start()
         start = time.monotonic()
         off = (i + 1) * 4096

@@ -16,16 +16,6 @@ TIMEOUT = 1.0
 BIG = 64 << 20  # far more than the socket buffers hold, so a frozen target stalls the sender
 
 
-async def _until_stopped(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        assert time.monotonic() < deadline, f"pid {pid} did not stop"
-        await asyncio.sleep(0.005)
-
-
 @pytest.fixture
 def frozen_node():
     """A private node that tests may SIGSTOP; always resumed and reaped."""
@@ -50,7 +40,7 @@ async def test_write_to_frozen_target_times_out_and_touches_nothing_after(fast_e
     await eng.transfer_sync_write(frozen_node.session, buf.addr, frozen_node.addr(0), 4096)  # session open
     frozen_node.call("set", region=0, byte=0)
     buf.fill(0x11)
-    os.kill(frozen_node.pid, signal.SIGSTOP)
+    frozen_node.freeze()
     loop = asyncio.get_running_loop()
     start = loop.time()
     with pytest.raises(errors.TransferTimeoutError):
@@ -73,7 +63,7 @@ async def test_read_from_frozen_target_times_out_and_writes_nothing_after(fast_e
     eng, buf = fast_engine
     frozen_node.call("set", region=0, byte=0x33)
     await eng.transfer_sync_read(frozen_node.session, buf.addr, frozen_node.addr(0), 4096)
-    os.kill(frozen_node.pid, signal.SIGSTOP)
+    frozen_node.freeze()
     with pytest.raises(errors.TransferTimeoutError):
         await eng.transfer_sync_read(frozen_node.session, buf.addr, frozen_node.addr(0), BIG)
     buf.fill(0x44)
@@ -108,8 +98,7 @@ async def test_killed_target_fails_fast_and_later_calls_fail_fast(fast_engine):
 
 async def test_a_stuck_handshake_does_not_delay_other_peers(fast_engine, frozen_node, node):
     eng, buf = fast_engine
-    os.kill(frozen_node.pid, signal.SIGSTOP)  # its rpc port accepts (kernel backlog) but never answers
-    await _until_stopped(frozen_node.pid)  # SIGSTOP lands asynchronously; a still-running node could answer
+    frozen_node.freeze()  # its rpc port accepts (kernel backlog) but never answers (stopped for sure)
     stuck = asyncio.ensure_future(eng.transfer_sync_write(frozen_node.session, buf.addr, frozen_node.addr(0), 64))
     await asyncio.sleep(0.05)
     loop = asyncio.get_running_loop()
