@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flagcx_mc import HostBuffer, TransferEngine
+from flagcx_mc.node import NodeProcess
 from flagcx_mc.config import EngineConfig, mooncake_transfer_timeout
 
 
@@ -242,3 +243,23 @@ def test_small_sync_write_whose_answer_comes_late(tcp_engine, node):
         off = (i + 4) * 4096
         assert eng.transfer_sync_write(node.session, buf.addr + off, node.addr(0, off), 4096) == 0
     assert node.call("digest", region=0, offset=0, length=54 * 4096)["digest"] == buf.digest(0, 54 * 4096)
+
+
+def test_stale_region_table_is_refreshed_behind_the_fast_path(tcp_engine):
+    """The first try of a call goes straight to the core with the cached region table; memory the
+    peer registered later is found after one refresh, and memory it unregistered fails with -3
+    once the refreshed table says so.  Each call counts once."""
+    eng, buf = tcp_engine
+    target = NodeProcess(regions=[1 << 20])
+    try:
+        digest = buf.fill_random(0, 1 << 20)
+        assert eng.transfer_sync_write(target.session, buf.addr, target.addr(0), 4096) == 0  # table cached
+        later = target.call("add_region", size=1 << 20)
+        assert eng.batch_transfer_sync_write(target.session, [buf.addr], [later["addr"]], [1 << 20]) == 0
+        assert target.call("digest", region=later["index"], offset=0, length=1 << 20)["digest"] == digest
+        assert target.call("unregister", region=later["index"])["rc"] == 0
+        assert eng.transfer_sync_read(target.session, buf.addr, later["addr"], 4096) == -3
+        peer = eng.stats()["peers"][target.session]
+        assert (peer["transfers"], peer["failures"], peer["bytes_written"], peer["bytes_read"]) == (3, 1, 4096 + (1 << 20), 0)
+    finally:
+        target.close()
