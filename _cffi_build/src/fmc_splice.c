@@ -95,9 +95,12 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
         if (in < 0) {
             if (errno == EINTR)
                 continue;
-            if (!unsupported(errno))
+            if (unsupported(errno))
+                zc_turn_off();
+            else if (errno != EFAULT)
                 return -1;
-            zc_turn_off();
+            /* EFAULT: pages get_user_pages cannot take (VM_IO / PFNMAP mappings) that a plain
+             * copy can still read; these payloads go by sendmsg, later ones try again. */
             return fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0);
         }
         fmc_iov_advance(&iov, &cnt, (size_t)in);
