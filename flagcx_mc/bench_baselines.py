@@ -150,7 +150,7 @@ def add_ratios(rows: list, baselines: list, limit_of: Dict[str, str]) -> None:
         limit = base.get((limit_of[r["transport"]], r["block"], r["count"]))
         if limit:
             r["ratios"][limit_of[r["transport"]]] = r["gbps"] / limit
-        for extra in _ALSO_AGAINST.get(limit_of[r["transport"]], ()):
+        for extra in also_against(limit_of[r["transport"]]):
             other = base.get((extra, r["block"], r["count"]))
             if other:
                 r["ratios"][extra] = r["gbps"] / other

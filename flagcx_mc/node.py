@@ -141,8 +141,6 @@ def _serve() -> None:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
     if os.environ.get("FLAGCX_MC_NODE_SIGPIPE_DEFAULT") == "1":
         # Tests use this to run as a C program would: SIGPIPE kills (Python itself ignores it).
-        import signal
-
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     serve_json_lines(_Node(), _COMMANDS)
 

@@ -56,12 +56,6 @@ class SessionCache:
         self._refreshing: Dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
 
-    @property
-    def open_sessions(self) -> Dict[str, Session]:
-        """The live name -> session map (read it, don't change it): the sync facade's fast path
-        looks a session up here from the caller's thread."""
-        return self._open
-
     def peek(self, name: str) -> Optional[Session]:
         """The open, healthy session for ``name`` or None; safe from any thread."""
         session = self._open.get(name)

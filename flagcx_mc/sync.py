@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Coroutine, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, List, Optional, Sequence, TypeVar
 
 from . import errors
 from .engine import AsyncTransferEngine, RemoteDesc
@@ -86,7 +86,7 @@ class TransferEngine:
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
         self._initialized = False
-        self._open_sessions: Dict[str, Session] = {}
+        self._sessions: Any = None  # the engine's SessionCache, once initialized
         self._config: Any = None
 
     # ------------------------------------------------------------------ private loop
@@ -138,7 +138,7 @@ class TransferEngine:
             except Exception:
                 log.exception("initialize failed unexpectedly")
                 return -1
-            self._open_sessions = self._engine._require_sessions().open_sessions
+            self._sessions = self._engine._require_sessions()
             self._config = self._engine.config
             self._initialized = True
             return 0
@@ -285,8 +285,8 @@ class TransferEngine:
             raise errors.EngineStateError("engine not initialized")
         if req.count == 0:
             return 0
-        session = self._open_sessions.get(target)
-        if session is None or not session.peer.healthy:
+        session = self._sessions.peek(target)
+        if session is None:
             return self._transfer_slowly(target, req, None, 0, "")
         rc, why = req.run(session, self._config)
         if rc == 0:

@@ -130,6 +130,13 @@ typedef struct send_scratch {
     size_t copy_len[FMC_IOV_MAX];
 } send_scratch;
 
+/* A write payload that may leave zero-copy (fmc_splice.c): host memory, large enough to pay for
+ * the extra syscalls, and to our own targets, which check for a reset before it lands. */
+static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
+{
+    return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
+}
+
 /* Small host-memory slices of one batch travel as vectors when the target takes them. */
 static int vectorizable(const fmc_peer *p, const fmc_slice *s)
 {
@@ -247,7 +254,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
             sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
             bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
-            int zc = is_write && sum >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE; /* host memory */
+            int zc = is_write && zero_copy_payload(st, s->local_dev, sum); /* all host memory (vectorizable) */
             nzc += zc;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
                 sc->zc[niov] = (uint8_t)zc;
@@ -268,8 +275,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
         bytes += hlen;
         if (is_write) {
-            /* Only to our own targets: they check for a reset before a large payload lands. */
-            sc->zc[niov] = s->local_dev < 0 && s->len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
+            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s->local_dev, s->len);
             nzc += sc->zc[niov];
             sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
             bytes += s->len;

@@ -134,12 +134,14 @@ static void release_held(conn_state *cs)
 
 static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
-/* A large write's payload may have been sent zero-copy (fmc_splice.c): its bytes are read out
- * of the initiator's pages only now.  An initiator that reset the connection has failed that
- * call and may be reusing those pages, so such a payload must not land: one poll() says whether
- * the connection was reset (the bytes queued before the reset would still be readable). */
-static int initiator_gave_up(conn_state *cs)
+/* A write payload of FMC_ZC_MIN_BYTES or more may have been sent zero-copy (fmc_splice.c): its
+ * bytes are read out of the initiator's pages only now.  An initiator that reset the connection
+ * has failed that call and may be reusing those pages, so such a payload must not land: one
+ * poll() says whether the connection was reset (bytes queued before the reset stay readable). */
+static int initiator_gave_up(conn_state *cs, uint64_t payload_len)
 {
+    if (payload_len < FMC_ZC_MIN_BYTES)
+        return 0;
     struct pollfd pfd = {.fd = cs->c->fd, .events = 0};
     return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
 }
@@ -541,7 +543,7 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
         return -1;
     }
     int rc = 0;
-    if (is_write && q->len >= FMC_ZC_MIN_BYTES && ok_bytes && initiator_gave_up(cs))
+    if (is_write && ok_bytes && initiator_gave_up(cs, q->len))
         rc = -1; /* its payloads may be zero-copy from pages the initiator reuses: drop them */
     if (is_write) {
         struct iovec iov[FMC_VEC_MAX];
@@ -657,7 +659,7 @@ static void serve(conn_state *cs)
             break;
         }
         fmc_region *r = pin(cs, q.addr, q.len, &q.key, q.opcode == FMC_WIRE_OP_WRITE);
-        if (q.opcode == FMC_WIRE_OP_WRITE && q.len >= FMC_ZC_MIN_BYTES && r && initiator_gave_up(cs)) {
+        if (q.opcode == FMC_WIRE_OP_WRITE && r && initiator_gave_up(cs, q.len)) {
             unpin(cs, r);
             break;
         }

@@ -153,7 +153,6 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
     return fmc_recv_all(r->fd, (uint8_t *)dst + take, n - take);
 }
 
-
 int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
 {
     while (iovcnt > 0 && r->end > r->start) {
