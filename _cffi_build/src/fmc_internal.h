@@ -259,6 +259,7 @@ typedef struct fmc_stream {
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
+    uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
     fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;

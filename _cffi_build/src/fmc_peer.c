@@ -120,8 +120,18 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
     return FMC_OK;
 }
 
+/* Consumed zero-copy answers are acknowledged with the next request, or on their own once
+ * nothing is in flight or this many are owed (the target holds at most 256; fmc_server.c). */
+#define ZC_ACK_EVERY 64
+
+static int ack_due(const fmc_stream *st)
+{
+    return st->zc_owed && (!st->inflight.head || st->zc_owed >= ZC_ACK_EVERY);
+}
+
 typedef struct send_scratch {
     uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
+    uint8_t ack[FMC_REQ_SIZE];
     uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
     struct iovec iov[FMC_IOV_MAX];
     uint8_t zc[FMC_IOV_MAX];        /* iov[i] may go out zero-copy (fmc_splice.c) */
@@ -217,8 +227,9 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
     return rc == 0 ? 0 : -1;
 }
 
-/* One send round: gather queued slices into one sendmsg and send it.  Called with st->mu held,
- * pending non-empty and no other round in progress; returns with st->mu held.  The slices move
+/* One send round: gather queued slices (and owed acknowledgements) into one sendmsg and send
+ * it.  Called with st->mu held, pending non-empty or an acknowledgement due, and no other round
+ * in progress; returns with st->mu held.  The slices move
  * to `inflight` before the first byte leaves, because their answers may come back before
  * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
 static int send_round(fmc_stream *st, int64_t deadline_ms)
@@ -229,6 +240,14 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     int niov = 0, nh = 0, nw = 0, nent = 0, nzc = 0;
     size_t bytes = 0;
     st->sending_active = 1;
+    if (st->zc_owed && st->peer->proto == FMC_PROTO_NATIVE) {
+        fmc_req ack = {.opcode = FMC_WIRE_OP_ACK, .len = st->zc_owed};
+        fmc_req_encode(sc->ack, &ack);
+        st->zc_owed = 0;
+        sc->zc[niov] = 0;
+        sc->iov[niov++] = (struct iovec){.iov_base = sc->ack, .iov_len = FMC_REQ_SIZE};
+    }
+    fmc_slice *first_sent = st->pending.head;
     while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
         fmc_slice *s = st->pending.head;
         int is_write = s->batch->opcode == FMC_OP_WRITE;
@@ -283,7 +302,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->writes[nw++] = s;
         }
     }
-    if (st->recv_parked && !st->caller_recv)
+    if (first_sent && st->recv_parked && !st->caller_recv)
         wake_receiver(st); /* answers will come: before the first byte leaves */
     int fd = st->fd;
     pthread_mutex_unlock(&st->mu);
@@ -300,7 +319,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     st->sending_active = 0;
     /* Wake the sender thread only for queued work, and an exit path waiting to close fd: a
      * needless wake-up per inline call costs the caller a context switch on a small machine. */
-    if (st->pending.head || st->dead)
+    if (st->pending.head || st->dead || ack_due(st))
         pthread_cond_broadcast(&st->cv);
     if (st->answered.head) {
         fmc_slice *s = st->answered.head;
@@ -323,7 +342,7 @@ void *fmc_stream_send_main(void *arg)
     pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     pthread_mutex_lock(&st->mu);
     for (;;) {
-        while (!st->dead && (!st->pending.head || st->sending_active))
+        while (!st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
             pthread_cond_wait(&st->cv, &st->mu);
         if (st->dead)
             break;
@@ -460,6 +479,22 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
     return n ? fmc_reader_read_iov(rd, iov, n) : 0;
 }
 
+/* A zero-copy answer's bytes were copied out of the target's pages just now; a target that
+ * reset the connection may have released them first (fmc_wire.h), so they cannot count.  A
+ * reset shows as POLLERR/POLLHUP even while bytes queued before it remain readable. */
+static int zc_answer_void(fmc_stream *st, const fmc_resp *a)
+{
+    if (!(a->flags & FMC_RESP_ZC))
+        return 0;
+    struct pollfd pfd = {.fd = st->rd.fd, .events = 0};
+    if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP))) {
+        fmc_engine_log(st->peer->engine, "peer %s:%d reset the connection under a zero-copy read answer; "
+                       "its reads fail", st->peer->host, st->peer->data_port);
+        return 1;
+    }
+    return 0;
+}
+
 /* The next answer header in the peer's framing; -1 on EOF or an impossible status. */
 static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
 {
@@ -471,6 +506,7 @@ static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
         if (v != FMC_MC_STATUS_OK && v != FMC_MC_STATUS_REJECTED)
             return -1;
         a->id = 0;
+        a->flags = 0;
         a->len = 0;
         a->status = v == FMC_MC_STATUS_OK ? FMC_OK : FMC_ERR_REMOTE_REFUSED;
         return 0;
@@ -643,7 +679,12 @@ void *fmc_stream_recv_main(void *arg)
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
                 }
+                if (zc_answer_void(st, &a)) {
+                    broken = 1;
+                    break;
+                }
                 pthread_mutex_lock(&st->mu);
+                st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
                 for (fmc_slice *x = st->receiving.head, *next; x; x = next) {
                     next = x->next;
                     list_push(x->sending ? &st->answered : &done, x);
@@ -673,11 +714,12 @@ void *fmc_stream_recv_main(void *arg)
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
                 int got = receive_payload(st, rd, s, &gpu, &done);
-                if (got < 0) {
+                if (got < 0 || zc_answer_void(st, &a)) {
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
                 }
                 pthread_mutex_lock(&st->mu);
+                st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
                 if (got == 1) /* its copy to the GPU lands later */
                     goto next_answer;
                 receiving_remove(st, s);
@@ -696,6 +738,8 @@ void *fmc_stream_recv_main(void *arg)
         }
         if (broken)
             break;
+        if (ack_due(st) && !st->sending_active)
+            pthread_cond_signal(&st->cv); /* the sender thread sends it */
         pthread_mutex_unlock(&st->mu);
     }
     land_pending(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
@@ -1092,7 +1136,8 @@ static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
     secret = p->engine->secret;
     pthread_mutex_unlock(&p->engine->mu);
     uint32_t caps = 0;
-    int rc = fmc_auth_client(fd, &secret, vectors_wanted() ? FMC_PREAMBLE_VECTORS : 0, &caps);
+    uint32_t flags = FMC_PREAMBLE_READ_ACKS | (vectors_wanted() ? FMC_PREAMBLE_VECTORS : 0);
+    int rc = fmc_auth_client(fd, &secret, flags, &caps);
     memset(&secret, 0, sizeof secret);
     if (rc == FMC_OK) {
         pthread_mutex_lock(&p->mu);

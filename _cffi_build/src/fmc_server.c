@@ -29,11 +29,36 @@ typedef struct {
     fmc_region *region; /* pinned by the run's first write, which covers the others */
 } gpu_run;
 
+/* Zero-copy read answers (fmc_wire.h): the initiator copies their bytes out of our pages only
+ * when it reads its socket, so each such answer keeps its regions pinned until acknowledged.
+ * A connection holds one pin per region (`zc_hold`) for all its unacknowledged answers, so the
+ * ledger costs no lock per answer and few of the connection's FMC_MAX_PINS. */
+#define ZC_LEDGER 256 /* unacknowledged zero-copy answers per connection; beyond, answers are copied */
+#define ZC_HOLDS 8    /* regions they may hold pinned */
+#define ZC_REGIONS 4  /* regions one zero-copy answer may span (more: copied) */
+
+typedef struct {
+    fmc_region *r;    /* NULL: free */
+    uint32_t answers; /* unacknowledged answers that use it */
+} zc_hold;
+
+typedef struct {
+    uint8_t hold[ZC_REGIONS];
+    uint8_t n;
+} zc_answer;
+
 typedef struct {
     fmc_engine *e;
     fmc_server_conn *c;
     fmc_reader rd;
     struct iovec iov[FMC_IOV_MAX];
+    uint8_t zc[FMC_IOV_MAX]; /* iov[i] is a zero-copy payload; cleared once sent */
+    int nzc;                 /* how many are set */
+    int zc_reads;            /* the initiator acknowledges zero-copy answers, and splice works */
+    int zc_pipe[2];
+    zc_hold holds[ZC_HOLDS];
+    zc_answer ledger[ZC_LEDGER]; /* ring, oldest at ledger_head */
+    uint32_t ledger_head, ledger_count;
     uint8_t hdr[FMC_IOV_MAX][FMC_RESP_SIZE];
     int niov, nhdr;
     size_t out_bytes;
@@ -134,6 +159,93 @@ static void release_held(conn_state *cs)
 
 static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
+/* Take a read answer of `bytes` from host regions `regs` (NULLs skipped) into the zero-copy
+ * ledger; 0 (copy it instead) when the connection does not do zero-copy answers, the answer is
+ * small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
+static int zc_claim(conn_state *cs, fmc_region *const *regs, int n, uint64_t bytes)
+{
+    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled())
+        return 0;
+    zc_answer a = {.n = 0};
+    int fresh = 0; /* holds this answer needs that do not exist yet */
+    fmc_region *want[ZC_REGIONS];
+    for (int i = 0; i < n; i++) {
+        fmc_region *r = regs[i];
+        int seen = 0;
+        for (int j = 0; j < fresh && !seen; j++)
+            seen = want[j] == r;
+        for (int j = 0; j < a.n && !seen; j++)
+            seen = cs->holds[a.hold[j]].r == r;
+        if (!r || seen)
+            continue;
+        int h = 0;
+        while (h < ZC_HOLDS && cs->holds[h].r != r)
+            h++;
+        if (a.n + fresh == ZC_REGIONS)
+            return 0;
+        if (h < ZC_HOLDS)
+            a.hold[a.n++] = (uint8_t)h;
+        else
+            want[fresh++] = r;
+    }
+    int free_holds = 0;
+    for (int h = 0; h < ZC_HOLDS; h++)
+        free_holds += cs->holds[h].r == NULL;
+    if (fresh > free_holds || (fresh && cs->c->npins + fresh >= FMC_MAX_PINS / 2))
+        return 0;
+    if (fresh) {
+        pthread_mutex_lock(&cs->e->mu);
+        for (int j = 0, h = 0; j < fresh; j++, h++) {
+            while (cs->holds[h].r)
+                h++;
+            cs->holds[h].r = want[j]; /* pinned by this answer's read pins until now, so alive */
+            want[j]->refs++;
+            cs->c->pins[cs->c->npins++] = want[j];
+            a.hold[a.n++] = (uint8_t)h;
+        }
+        pthread_mutex_unlock(&cs->e->mu);
+    }
+    for (int j = 0; j < a.n; j++)
+        cs->holds[a.hold[j]].answers++;
+    cs->ledger[(cs->ledger_head + cs->ledger_count++) % ZC_LEDGER] = a;
+    return 1;
+}
+
+/* The initiator consumed its `n` oldest zero-copy answers: release what they held.  -1 when it
+ * acknowledges more than it was sent (a protocol error). */
+static int zc_acknowledge(conn_state *cs, uint64_t n)
+{
+    if (n == 0 || n > cs->ledger_count)
+        return -1;
+    int locked = 0;
+    for (; n; n--) {
+        zc_answer *a = &cs->ledger[cs->ledger_head];
+        cs->ledger_head = (cs->ledger_head + 1) % ZC_LEDGER;
+        cs->ledger_count--;
+        for (int j = 0; j < a->n; j++) {
+            zc_hold *h = &cs->holds[a->hold[j]];
+            if (--h->answers)
+                continue;
+            if (!locked++)
+                pthread_mutex_lock(&cs->e->mu);
+            unpin_locked(cs->e, cs->c, h->r);
+            h->r = NULL;
+        }
+    }
+    if (locked)
+        pthread_mutex_unlock(&cs->e->mu);
+    return 0;
+}
+
+/* Queue payload iovecs of an answer, flagged for zero-copy when the answer is. */
+static void push_payload(conn_state *cs, void *data, uint64_t len, int zc)
+{
+    cs->zc[cs->niov] = (uint8_t)zc;
+    cs->nzc += zc;
+    cs->iov[cs->niov++] = (struct iovec){.iov_base = data, .iov_len = (size_t)len};
+    cs->out_bytes += len;
+}
+
 /* A write payload of FMC_ZC_MIN_BYTES or more may have been sent zero-copy (fmc_splice.c): its
  * bytes are read out of the initiator's pages only now.  An initiator that reset the connection
  * has failed that call and may be reusing those pages, so such a payload must not land: one
@@ -146,10 +258,23 @@ static int initiator_gave_up(conn_state *cs, uint64_t payload_len)
     return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
 }
 
+/* The queued answers, zero-copy payloads through the connection's pipe. */
+static int send_answers(conn_state *cs)
+{
+    if (!cs->niov)
+        return 0;
+    if (!cs->nzc)
+        return fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
+    int rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, cs->zc_pipe);
+    memset(cs->zc, 0, (size_t)cs->niov);
+    cs->nzc = 0;
+    return rc;
+}
+
 /* Send what is queued now (pins stay until the flush): room for a run's answers. */
 static int send_queued(conn_state *cs)
 {
-    int rc = cs->niov ? fmc_sendv_all(cs->c->fd, cs->iov, cs->niov) : 0;
+    int rc = send_answers(cs);
     cs->niov = cs->nhdr = 0;
     cs->out_bytes = 0;
     return rc;
@@ -233,9 +358,7 @@ static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t id, uint64_t
 static int flush(conn_state *cs)
 {
     finish_gpu_writes(cs);
-    int rc = 0;
-    if (cs->niov)
-        rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
+    int rc = send_answers(cs);
     for (int i = 0; i < cs->nread_pins; i++)
         unpin(cs, cs->read_pins[i]);
     release_held(cs); /* last: the uses above were counted against it */
@@ -258,10 +381,10 @@ static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data
 }
 
 /* Queue one answer header (native framing) announcing `len` bytes to follow. */
-static void push_header(conn_state *cs, uint64_t id, int32_t status, uint64_t len)
+static void push_header(conn_state *cs, uint64_t id, int32_t status, uint64_t len, uint32_t flags)
 {
     cs->requests++;
-    fmc_resp resp = {.id = id, .status = status, .len = len};
+    fmc_resp resp = {.id = id, .status = status, .flags = flags, .len = len};
     uint8_t *h = cs->hdr[cs->nhdr++];
     fmc_resp_encode(h, &resp);
     cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_RESP_SIZE};
@@ -270,11 +393,19 @@ static void push_header(conn_state *cs, uint64_t id, int32_t status, uint64_t le
 
 static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
-    push_header(cs, id, status, data ? len : 0);
-    if (data) {
-        cs->iov[cs->niov++] = (struct iovec){.iov_base = data, .iov_len = (size_t)len};
-        cs->out_bytes += len;
-    }
+    push_header(cs, id, status, data ? len : 0, 0);
+    if (data)
+        push_payload(cs, data, len, 0);
+}
+
+/* A successful read from host region r, zero-copy when the ledger takes it. */
+static void queue_read_answer(conn_state *cs, uint64_t id, fmc_region *r, uint64_t addr, uint64_t len)
+{
+    finish_gpu_writes(cs);
+    cs->read_pins[cs->nread_pins++] = r;
+    int zc = zc_claim(cs, &r, 1, len);
+    push_header(cs, id, FMC_OK, len, zc ? FMC_RESP_ZC : 0);
+    push_payload(cs, (void *)(uintptr_t)addr, len, zc);
 }
 
 #define REQ_FLAG_MOONCAKE 0x80 /* local marker: the request came in Mooncake's framing */
@@ -305,6 +436,7 @@ static void set_recv_timeout(int fd, int seconds)
 #define FMC_VEC_READ_AHEAD (8u << 10)
 static void use_vectors(conn_state *cs, uint32_t caps)
 {
+    cs->zc_reads = (caps & FMC_CAP_ZC_READS) != 0;
     cs->vectors = (caps & FMC_CAP_VECTORS) != 0;
     if (cs->vectors)
         cs->rd.max_read = FMC_VEC_READ_AHEAD;
@@ -351,6 +483,8 @@ static int handshake(conn_state *cs)
     secret = cs->e->secret;
     pthread_mutex_unlock(&cs->e->mu);
     uint32_t caps = (flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0;
+    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled())
+        caps |= FMC_CAP_ZC_READS;
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
     memcpy(reply, FMC_MAGIC_OK, 8);
     if (ok && secret.len) {
@@ -476,10 +610,11 @@ static int spin_for_more(fmc_reader *rd, size_t need)
 }
 
 /* Queue a vector's answer header, and its entry statuses when some entry failed. */
-static void queue_vector_answer(conn_state *cs, uint64_t id, int n, int failed, uint64_t len)
+static void queue_vector_answer(conn_state *cs, uint64_t id, int n, int failed, uint64_t len, int zc)
 {
     cs->vectors_answered++;
-    push_header(cs, id, failed ? FMC_ERR_REMOTE_REFUSED : FMC_OK, len + (failed ? (uint64_t)n * 4 : 0));
+    push_header(cs, id, failed ? FMC_ERR_REMOTE_REFUSED : FMC_OK, len + (failed ? (uint64_t)n * 4 : 0),
+                zc ? FMC_RESP_ZC : 0);
     if (failed) {
         for (int i = 0; i < n; i++)
             cs->vec_status[i] = (int32_t)htole32((uint32_t)cs->vec_status[i]);
@@ -571,7 +706,7 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
         if (rc < 0)
             return -1;
         cs->served_in += ok_bytes;
-        queue_vector_answer(cs, q->id, n, failed, 0);
+        queue_vector_answer(cs, q->id, n, failed, 0, 0);
     } else {
         /* GPU sources are copied out first, into the staging buffer the answer then points at;
          * nothing is queued until every source is in place. */
@@ -596,14 +731,14 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
                     unpin(cs, reg[i]);
             return -1;
         }
-        queue_vector_answer(cs, q->id, n, failed, ok_bytes);
+        int zc = !gpu_bytes && zc_claim(cs, reg, n, ok_bytes); /* staged sources are reused */
+        queue_vector_answer(cs, q->id, n, failed, ok_bytes, zc);
         for (int i = 0; i < n; i++) {
             if (cs->vec_status[i] != FMC_OK)
                 continue;
             if (reg[i])
                 cs->read_pins[cs->nread_pins++] = reg[i];
-            cs->iov[cs->niov++] = (struct iovec){.iov_base = src[i], .iov_len = (size_t)len[i]};
-            cs->out_bytes += len[i];
+            push_payload(cs, src[i], len[i], zc);
         }
         cs->served_out += ok_bytes;
     }
@@ -642,6 +777,15 @@ static void serve(conn_state *cs)
         fmc_req q;
         fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
         cs->rd.start += FMC_REQ_SIZE;
+        if (q.opcode == FMC_WIRE_OP_ACK) {
+            if (zc_acknowledge(cs, q.len) < 0) {
+                e->stat_protocol_errors++;
+                fmc_engine_log(e, "dropped a data connection: acknowledged %llu zero-copy answers, %u outstanding",
+                               (unsigned long long)q.len, cs->ledger_count);
+                break;
+            }
+            continue;
+        }
         if (q.opcode == FMC_WIRE_OP_WRITEV || q.opcode == FMC_WIRE_OP_READV) {
             if (q.len == 0 || q.len > FMC_MAX_WIRE_LEN || serve_vector(cs, &q) < 0)
                 break;
@@ -695,8 +839,7 @@ static void serve(conn_state *cs)
             if (flush(cs) < 0)
                 break;
         } else if (r) {
-            cs->read_pins[cs->nread_pins++] = r;
-            queue_answer(cs, q.id, FMC_OK, (void *)(uintptr_t)q.addr, q.len);
+            queue_read_answer(cs, q.id, r, q.addr, q.len);
             cs->served_out += q.len;
         } else {
             refuse(cs, &q);
@@ -715,9 +858,22 @@ static void *conn_main(void *arg)
     conn_state *cs = arg;
     fmc_engine *e = cs->e;
     serve(cs);
-    pthread_mutex_lock(&e->mu);
     fmc_server_conn *c = cs->c;
-    while (c->npins > 0) /* a write pin left by a failed receive */
+    if (cs->ledger_count) {
+        /* Unacknowledged zero-copy answers may still sit in the initiator's socket, to be copied
+         * out of our pages later: reset the connection (the initiator then fails those reads,
+         * fmc_wire.h) before their regions are released, and give the reset a moment to arrive
+         * (a loopback peer handles it in softirq context, normally before close returns). */
+        struct linger lg = {.l_onoff = 1, .l_linger = 0};
+        setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+        pthread_mutex_lock(&e->mu);
+        close(c->fd);
+        c->fd = -1; /* still linked: shutdown(-1) by unregister or eviction does nothing */
+        pthread_mutex_unlock(&e->mu);
+        usleep(2000);
+    }
+    pthread_mutex_lock(&e->mu);
+    while (c->npins > 0) /* a write pin left by a failed receive; zero-copy holds */
         unpin_locked(e, c, c->pins[0]);
     if (c->prev)
         c->prev->next = c->next;
@@ -728,12 +884,14 @@ static void *conn_main(void *arg)
     e->nconns--;
     /* Closed under mu, once unlinked: nobody can shutdown() this fd number any more, and
      * fmc_engine_destroy returns only after every data socket is really closed. */
-    close(c->fd);
+    if (c->fd >= 0)
+        close(c->fd);
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     fmc_reader_free(&cs->rd);
     fmc_staging_release(&cs->stage);
     fmc_staging_release(&cs->stage2);
+    fmc_zc_pipe_close(cs->zc_pipe);
     free(cs->sink);
     free(c);
     free(cs);
@@ -779,6 +937,7 @@ static void start_conn(fmc_engine *e, int fd)
     c->fd = fd;
     cs->e = e;
     cs->c = c;
+    cs->zc_pipe[0] = cs->zc_pipe[1] = -1;
     pthread_mutex_lock(&e->mu);
     __atomic_store_n(&c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
     if (!e->stopping && e->nconns >= FMC_MAX_SERVER_CONNS)

@@ -10,7 +10,7 @@
  * Then any number of requests, pipelined:
  *     u8 opcode (1 write, 2 read); u8 flags; u16 reserved; u32 key; u64 id; u64 addr; u64 len
  * followed, for a write, by `len` payload bytes.  The target answers every request, in order:
- *     u64 id; i32 status; u32 reserved; u64 len
+ *     u64 id; i32 status; u32 flags; u64 len
  * followed, for a successful read, by `len` bytes.  A write is answered only after its bytes are
  * in the target's memory.
  *
@@ -23,7 +23,18 @@
  * with len 0 (write) or the sum of the lengths followed by the n payloads (read); or a non-zero
  * status with a table of n i32 entry statuses, then, for a read, the payloads of the entries
  * whose status is 0, and len = 4n + those bytes.  A vector of small slices costs one header and
- * one answer, and each side moves its payloads with one scatter/gather call and no extra copy. */
+ * one answer, and each side moves its payloads with one scatter/gather call and no extra copy.
+ *
+ * Zero-copy read answers (when the initiator sets FMC_PREAMBLE_READ_ACKS and the target's answer
+ * carries FMC_CAP_ZC_READS): the target may send a read answer's payload from its registered
+ * pages without copying them (vmsplice + splice), flagging the answer FMC_RESP_ZC in the answer's
+ * u32 after the status.  Those pages are read only when the initiator copies them out of its
+ * socket, so the target keeps the regions pinned (unregister waits) until the initiator
+ * acknowledges, with a request of opcode 5 (ack) whose `len` counts the flagged answers it has
+ * consumed since its last ack (every other field 0; ack requests get no answer).  After taking
+ * a flagged payload, the initiator checks that the connection was not reset: a target that has
+ * to cut a connection with unacknowledged answers (unregister, shutdown) resets it before the
+ * regions are released, so bytes read after their region was released never count as a success. */
 #ifndef FMC_WIRE_H
 #define FMC_WIRE_H
 
@@ -42,8 +53,12 @@
 #define FMC_WIRE_OP_READ 2
 #define FMC_WIRE_OP_WRITEV 3
 #define FMC_WIRE_OP_READV 4
+#define FMC_WIRE_OP_ACK 5          /* zero-copy read answers consumed (see above) */
 #define FMC_PREAMBLE_VECTORS 2u    /* preamble flag: this initiator can send vectors */
+#define FMC_PREAMBLE_READ_ACKS 4u  /* preamble flag: this initiator acknowledges zero-copy answers */
 #define FMC_CAP_VECTORS 1u         /* preamble answer, last u32: this target takes vectors */
+#define FMC_CAP_ZC_READS 2u        /* preamble answer: read answers may be zero-copy (acks wanted) */
+#define FMC_RESP_ZC 1u             /* answer flag: zero-copy payload, acknowledge it */
 #define FMC_VEC_MAX 256            /* entries in one vector */
 #define FMC_VEC_ENTRY_MAX (64u << 10) /* largest entry: bigger slices go alone (no gain, and a
                                        * refused entry is skipped through a buffer this size) */
@@ -66,6 +81,7 @@ typedef struct {
 typedef struct {
     uint64_t id;
     int32_t status;
+    uint32_t flags;
     uint64_t len;
 } fmc_resp;
 
@@ -108,7 +124,7 @@ static inline void fmc_resp_encode(uint8_t out[FMC_RESP_SIZE], const fmc_resp *r
 {
     fmc_put64(out, r->id);
     fmc_put32(out + 8, (uint32_t)r->status);
-    fmc_put32(out + 12, 0);
+    fmc_put32(out + 12, r->flags);
     fmc_put64(out + 16, r->len);
 }
 
@@ -116,6 +132,7 @@ static inline void fmc_resp_decode(const uint8_t in[FMC_RESP_SIZE], fmc_resp *r)
 {
     r->id = fmc_get64(in);
     r->status = (int32_t)fmc_get32(in + 8);
+    r->flags = fmc_get32(in + 12);
     r->len = fmc_get64(in + 16);
 }
 
