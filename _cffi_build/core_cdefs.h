@@ -37,6 +37,8 @@ typedef struct {
     uint64_t server_connections;   /* live inbound data connections */
     uint64_t requests_served;      /* remote requests answered (a vector counts once) */
     uint64_t vectors_served;       /* of which vector requests (many small slices in one) */
+    uint64_t zero_copy_answers;    /* read answers sent from registered pages without a copy */
+    uint64_t zero_copy_resets;     /* connections reset while such answers were unacknowledged */
 } fmc_stats;
 
 /* Successful synchronous transfer calls to one peer name, counted by the core as they return

@@ -157,6 +157,8 @@ void fmc_engine_get_stats(fmc_engine *e, fmc_stats *s)
     s->protocol_errors = e->stat_protocol_errors;
     s->requests_served = e->stat_requests;
     s->vectors_served = e->stat_vectors;
+    s->zero_copy_answers = e->stat_zc_answers;
+    s->zero_copy_resets = e->stat_zc_resets;
     pthread_mutex_lock(&e->mu);
     s->server_connections = (uint64_t)e->nconns;
     pthread_mutex_unlock(&e->mu);

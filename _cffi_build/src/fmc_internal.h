@@ -184,7 +184,7 @@ struct fmc_engine {
     int sh_fd;
     uint8_t sh_slot_used[FMC_SH_MAX_SLOTS]; /* guarded by mu */
     atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
-    atomic_uint_fast64_t stat_requests, stat_vectors;
+    atomic_uint_fast64_t stat_requests, stat_vectors, stat_zc_answers, stat_zc_resets;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
     pthread_mutex_t log_mu;

@@ -69,7 +69,7 @@ typedef struct {
     int vectors;                       /* the initiator may send vectors (fmc_wire.h) */
     int32_t vec_status[FMC_VEC_MAX];   /* a vector answer's entry statuses, until its flush */
     uint8_t *sink;                     /* refused vector entries are received here */
-    uint64_t requests, vectors_answered; /* answered since the last flush */
+    uint64_t requests, vectors_answered, zc_answered; /* answered since the last flush */
     uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
                                        (one shared atomic add per request made the streams contend) */
     fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
@@ -208,6 +208,7 @@ static int zc_claim(conn_state *cs, fmc_region *const *regs, int n, uint64_t byt
     for (int j = 0; j < a.n; j++)
         cs->holds[a.hold[j]].answers++;
     cs->ledger[(cs->ledger_head + cs->ledger_count++) % ZC_LEDGER] = a;
+    cs->zc_answered++;
     return 1;
 }
 
@@ -367,7 +368,8 @@ static int flush(conn_state *cs)
         cs->e->stat_served_out += cs->served_out;
         cs->e->stat_requests += cs->requests;
         cs->e->stat_vectors += cs->vectors_answered;
-        cs->served_in = cs->served_out = cs->requests = cs->vectors_answered = 0;
+        cs->e->stat_zc_answers += cs->zc_answered;
+        cs->served_in = cs->served_out = cs->requests = cs->vectors_answered = cs->zc_answered = 0;
     }
     cs->niov = cs->nhdr = cs->nread_pins = 0;
     cs->out_bytes = 0;
@@ -864,6 +866,9 @@ static void *conn_main(void *arg)
          * out of our pages later: reset the connection (the initiator then fails those reads,
          * fmc_wire.h) before their regions are released, and give the reset a moment to arrive
          * (a loopback peer handles it in softirq context, normally before close returns). */
+        e->stat_zc_resets++;
+        fmc_engine_log(e, "reset a data connection with %u zero-copy read answers unacknowledged",
+                       cs->ledger_count);
         struct linger lg = {.l_onoff = 1, .l_linger = 0};
         setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
         pthread_mutex_lock(&e->mu);
