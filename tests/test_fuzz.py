@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import mmap
+import os
 import random
 import resource
 import socket
@@ -45,6 +46,11 @@ MC_HDR = struct.Struct("<QQB7x")  # Mooncake: size, addr, opcode (| 0x80: v2)
 MC_OK, MC_REJECTED = 0x4D43545600000000, 0x4D43545600000001
 REFUSED = -106
 PREAMBLE_VECTORS = 2             # fmc_wire.h: vectors, opcodes 3 (write) and 4 (read)
+PREAMBLE_READ_ACKS = 4           # fmc_wire.h: zero-copy read answers, acknowledged by opcode 5
+CAP_VECTORS, CAP_ZC_READS = 1, 2
+ZERO_COPY = os.environ.get("FLAGCX_MC_ZEROCOPY", "1")[:1] != "0"
+# Every read here is far below the zero-copy threshold (128 KiB): no answer is flagged, nothing
+# is ever outstanding, so an acknowledgement (opcode 5) is always a protocol error.
 VEC_ENTRY = struct.Struct("<IIQQ")  # key, reserved, addr, len
 VEC_MAX, VEC_ENTRY_MAX = 256, 64 << 10
 
@@ -131,7 +137,9 @@ def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -
         return _finish(exp)
     version, flags = struct.unpack_from("<II", stream, 8)
     vectors = version == 1 and bool(flags & PREAMBLE_VECTORS)
-    exp.answer(OK_MAGIC + struct.pack("<iI", 0 if version == 1 else REFUSED, int(vectors)))
+    caps = (CAP_VECTORS if vectors else 0) | \
+        (CAP_ZC_READS if version == 1 and flags & PREAMBLE_READ_ACKS and ZERO_COPY else 0)
+    exp.answer(OK_MAGIC + struct.pack("<iI", 0 if version == 1 else REFUSED, caps))
     pos = exp.consumed = 16
     if version != 1:
         return _finish(exp)
@@ -333,7 +341,7 @@ def native_request(draw, regions: List[GuardedRegion]) -> bytes:
     r = draw(st.sampled_from([regions[0], regions[0], regions[-1]]))  # mostly the writable one
     kind = draw(st.sampled_from(["valid"] * 3 + ["hostile"] * 2 + ["mutated"]))
     if kind == "hostile":
-        op = draw(st.sampled_from([1, 2] * 4 + [0, 3, 0x81, 255]))
+        op = draw(st.sampled_from([1, 2] * 4 + [0, 3, 5, 0x81, 255]))
         key = draw(st.sampled_from([r.key, r.key ^ 1, 0, regions[0].key, regions[-1].key]) | st.integers(0, 2**32 - 1))
         addr, length = _addr(draw, regions), _length(draw, regions)
     else:
