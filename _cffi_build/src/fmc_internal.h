@@ -162,6 +162,7 @@ typedef struct fmc_server_conn {
     int64_t last_active_ms;  /* last request (or the accept); read by the accept thread */
     fmc_region *pins[FMC_MAX_PINS]; /* guarded by engine->mu */
     int npins;
+    int zc_pins;             /* of which held for unacknowledged zero-copy answers (likewise) */
     struct fmc_server_conn *prev, *next;
 } fmc_server_conn;
 

@@ -201,6 +201,7 @@ static int zc_claim(conn_state *cs, fmc_region *const *regs, int n, uint64_t byt
             cs->holds[h].r = want[j]; /* pinned by this answer's read pins until now, so alive */
             want[j]->refs++;
             cs->c->pins[cs->c->npins++] = want[j];
+            cs->c->zc_pins++;
             a.hold[a.n++] = (uint8_t)h;
         }
         pthread_mutex_unlock(&cs->e->mu);
@@ -230,6 +231,7 @@ static int zc_acknowledge(conn_state *cs, uint64_t n)
             if (!locked++)
                 pthread_mutex_lock(&cs->e->mu);
             unpin_locked(cs->e, cs->c, h->r);
+            cs->c->zc_pins--;
             h->r = NULL;
         }
     }
@@ -905,7 +907,9 @@ static void *conn_main(void *arg)
 
 /* At the connection cap, the connection idle the longest (and at least FMC_EVICT_IDLE_MS) makes
  * room: a flood of silent connections cannot lock real initiators out, it only makes the idlest
- * ones reconnect.  Caller holds e->mu; the evicted thread cleans up as after any disconnect. */
+ * ones reconnect.  A connection whose only pins are zero-copy answers its initiator never
+ * acknowledged counts as idle: it is reset on the way out.  Caller holds e->mu; the evicted
+ * thread cleans up as after any disconnect. */
 #define FMC_EVICT_IDLE_MS 500
 #define FMC_EVICTION_SLACK 64
 static void evict_idlest_locked(fmc_engine *e)
@@ -915,7 +919,7 @@ static void evict_idlest_locked(fmc_engine *e)
     int64_t oldest = now - FMC_EVICT_IDLE_MS;
     for (fmc_server_conn *sc = e->conns; sc; sc = sc->next) {
         int64_t t = __atomic_load_n(&sc->last_active_ms, __ATOMIC_RELAXED);
-        if (t <= oldest && sc->npins == 0) {
+        if (t <= oldest && sc->npins == sc->zc_pins) { /* idle, or only awaiting acknowledgements */
             oldest = t;
             victim = sc;
         }
