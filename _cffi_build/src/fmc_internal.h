@@ -58,7 +58,8 @@ int fmc_recv_all(int fd, void *buf, size_t len);
 
 /* Zero-copy sends (fmc_splice.c): iovecs flagged in zc[] go through vmsplice + splice (the
  * pipe is opened on first use, closed with fmc_zc_pipe_close), the rest through sendmsg.  Only
- * for memory that stays untouched until the peer has read it: write payloads from the caller. */
+ * for memory that stays untouched until the peer has read it: write payloads from the caller,
+ * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
 int fmc_zc_enabled(void);
 int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);

@@ -1,16 +1,18 @@
-/* Zero-copy sends of write payloads: vmsplice the caller's pages into a pipe, splice the pipe
- * into the socket.  The socket then holds references to those pages instead of a copy, and the
- * receiver's recv copies straight out of them: one copy per byte on loopback instead of two,
- * 20-35 % more throughput for large writes on a small machine.
+/* Zero-copy sends: vmsplice the payload pages into a pipe, splice the pipe into the socket.
+ * The socket then holds references to those pages instead of a copy, and the receiver's recv
+ * copies straight out of them: one copy per byte on loopback instead of two, 20-35 % more
+ * throughput for large transfers on a small machine.
  *
- * Why only writes, and only from the initiator: the pages are read when the receiver copies
- * them, after the send returned.  A write's source is the caller's memory, which it must leave
- * alone until the call completes, and completion comes only after the target has read every
- * byte.  A read's answer, by contrast, comes from a target region that may be unregistered and
- * reused once the answer is "sent", so those are copied into the socket as before; so are GPU
- * sources (their staging buffer is reused by the next round) and rounds with little payload
- * (three syscalls instead of one do not pay off).  A vector's small payloads go through the
- * pipe together, one vmsplice for as many as it holds.
+ * The pages are read when the receiver copies them, after the send returned, so a caller may
+ * only hand over memory that stays put until the receiver has its copy:
+ * - write payloads (fmc_peer.c): the caller leaves its source alone until the call completes,
+ *   and completion comes only after the target has read every byte;
+ * - read answers (fmc_server.c): the target keeps the regions pinned until the initiator
+ *   acknowledges the answers, and resets the connection before letting unacknowledged ones go
+ *   (the protocol is in fmc_wire.h).
+ * GPU sources (their staging buffer is reused by the next round) and rounds with little payload
+ * (three syscalls instead of one do not pay off) are copied.  A vector's small payloads go
+ * through the pipe together, one vmsplice for as many as it holds.
  *
  * Where the kernel refuses (no vmsplice in a sandbox, a socket type splice cannot feed), the
  * first failure turns the feature off for the process and the bytes go out with sendmsg.
