@@ -133,7 +133,7 @@ void fmc_engine_destroy(fmc_engine *e)
     close(e->wake_pipe[1]);
     pthread_mutex_lock(&e->mu);
     for (fmc_server_conn *sc = e->conns; sc; sc = sc->next)
-        shutdown(sc->fd, SHUT_RDWR);
+        fmc_server_conn_cut_locked(sc);
     while (e->nconns > 0)
         pthread_cond_wait(&e->cv, &e->mu);
     pthread_mutex_unlock(&e->mu);
@@ -260,7 +260,7 @@ int fmc_unregister(fmc_engine *e, uint64_t addr)
         if (fmc_now_ms() >= grace_until) {
             for (fmc_server_conn *sc = e->conns; sc; sc = sc->next)
                 if (conn_pins(sc, r))
-                    shutdown(sc->fd, SHUT_RDWR);
+                    fmc_server_conn_cut_locked(sc);
         }
         struct timespec ts;
         fmc_deadline_ts(20, &ts);

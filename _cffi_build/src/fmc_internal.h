@@ -164,8 +164,12 @@ typedef struct fmc_server_conn {
     fmc_region *pins[FMC_MAX_PINS]; /* guarded by engine->mu */
     int npins;
     int zc_pins;             /* of which held for unacknowledged zero-copy answers (likewise) */
+    int cut;                 /* shut down by this engine (unregister, eviction, destroy; likewise) */
     struct fmc_server_conn *prev, *next;
 } fmc_server_conn;
+
+/* Shut a data connection down from outside its thread (caller holds engine->mu). */
+void fmc_server_conn_cut_locked(fmc_server_conn *c);
 
 /* ---------------------------------------------------------------- engine (fmc_engine.c) */
 #define FMC_LOG_CAP 8192

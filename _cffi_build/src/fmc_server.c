@@ -857,6 +857,12 @@ static void serve(conn_state *cs)
     flush(cs); /* best effort: a peer that only half-closed still reads its answers; releases pins */
 }
 
+void fmc_server_conn_cut_locked(fmc_server_conn *c)
+{
+    c->cut = 1;
+    shutdown(c->fd, SHUT_RDWR); /* fd -1 once closed early (conn_main): nothing to do */
+}
+
 static void *conn_main(void *arg)
 {
     conn_state *cs = arg;
@@ -868,9 +874,16 @@ static void *conn_main(void *arg)
          * out of our pages later: reset the connection (the initiator then fails those reads,
          * fmc_wire.h) before their regions are released, and give the reset a moment to arrive
          * (a loopback peer handles it in softirq context, normally before close returns). */
-        e->stat_zc_resets++;
-        fmc_engine_log(e, "reset a data connection with %u zero-copy read answers unacknowledged",
-                       cs->ledger_count);
+        struct pollfd pfd = {.fd = c->fd, .events = POLLRDHUP};
+        pthread_mutex_lock(&e->mu);
+        int cut = c->cut;
+        pthread_mutex_unlock(&e->mu);
+        if (cut || !(poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)))) {
+            /* ended on our side (cut, a protocol error), not by the initiator closing it */
+            e->stat_zc_resets++;
+            fmc_engine_log(e, "reset a data connection with %u zero-copy read answers unacknowledged",
+                           cs->ledger_count);
+        }
         struct linger lg = {.l_onoff = 1, .l_linger = 0};
         setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
         pthread_mutex_lock(&e->mu);
@@ -926,7 +939,7 @@ static void evict_idlest_locked(fmc_engine *e)
     }
     if (victim) {
         __atomic_store_n(&victim->last_active_ms, now, __ATOMIC_RELAXED); /* do not pick it twice */
-        shutdown(victim->fd, SHUT_RDWR);
+        fmc_server_conn_cut_locked(victim);
         fmc_engine_log(e, "connection cap reached: closed the longest idle data connection");
     }
 }
