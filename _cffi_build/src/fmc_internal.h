@@ -266,6 +266,7 @@ typedef struct fmc_stream {
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
+    int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
     fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
     fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;

@@ -120,13 +120,17 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
     return FMC_OK;
 }
 
-/* Consumed zero-copy answers are acknowledged with the next request, or on their own once
- * nothing is in flight or this many are owed (the target holds at most 256; fmc_server.c). */
+/* Consumed zero-copy answers are acknowledged with the next request, or on their own once this
+ * many are owed (the target holds at most 256; fmc_server.c) or the stream has been idle for
+ * ZC_ACK_IDLE_MS.  Back-to-back batches thus carry their acks for free, instead of waking the
+ * sender thread, and the target's thread, at the end of every batch; an idle stream still
+ * acknowledges well within unregister's 200 ms grace. */
 #define ZC_ACK_EVERY 64
+#define ZC_ACK_IDLE_MS 2
 
 static int ack_due(const fmc_stream *st)
 {
-    return st->zc_owed && (!st->inflight.head || st->zc_owed >= ZC_ACK_EVERY);
+    return st->zc_owed && (st->zc_owed >= ZC_ACK_EVERY || st->zc_ack_idle);
 }
 
 typedef struct send_scratch {
@@ -244,6 +248,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         fmc_req ack = {.opcode = FMC_WIRE_OP_ACK, .len = st->zc_owed};
         fmc_req_encode(sc->ack, &ack);
         st->zc_owed = 0;
+        st->zc_ack_idle = 0;
         sc->zc[niov] = 0;
         sc->iov[niov++] = (struct iovec){.iov_base = sc->ack, .iov_len = FMC_REQ_SIZE};
     }
@@ -604,10 +609,21 @@ static int receiver_park(fmc_stream *st)
         int watch = !st->caller_recv; /* a caller that owns the socket sees its EOF itself */
         st->recv_parked = 1;
         st->recv_blind = !watch;
+        int owed = st->zc_owed != 0;
         pthread_mutex_unlock(&st->mu);
         struct pollfd pf[2] = {{.fd = st->wake_fd, .events = POLLIN}, {.fd = st->rd.fd, .events = POLLRDHUP}};
-        if (poll(pf, watch ? 2 : 1, -1) < 0 && errno != EINTR)
+        int ready = poll(pf, watch ? 2 : 1, owed ? ZC_ACK_IDLE_MS : -1);
+        if (ready < 0 && errno != EINTR)
             pf[1].revents = POLLERR;
+        if (ready == 0) { /* idle with acknowledgements owed: the sender thread sends them */
+            pthread_mutex_lock(&st->mu);
+            if (st->zc_owed) {
+                st->zc_ack_idle = 1;
+                if (!st->sending_active)
+                    pthread_cond_signal(&st->cv);
+            }
+            pthread_mutex_unlock(&st->mu);
+        }
         uint64_t count;
         if (pf[0].revents && read(st->wake_fd, &count, sizeof count) < 0) {
             /* EAGAIN: another wake-up consumed it first */
