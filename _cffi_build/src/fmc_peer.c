@@ -731,6 +731,7 @@ void *fmc_stream_recv_main(void *arg)
                 done.head = done.tail = NULL;
                 int got = receive_payload(st, rd, s, &gpu, &done);
                 if (got < 0 || zc_answer_void(st, &a)) {
+                    s->answer_status = FMC_ERR_SOCKET; /* a GPU landing finishes with this status */
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
                 }
