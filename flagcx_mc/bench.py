@@ -3,10 +3,12 @@
 For each transport (a row of ``TRANSPORTS``) a target and an initiator run in processes of their
 own; the initiator runs timed loops of sync batch transfers for each (block size, batch size)
 shape and each op, and reports wall time and its own CPU time.  Mooncake's engine (PyPI wheel,
-``MC_FORCE_TCP=1``) is measured the same way on the same workload.  Before any engine starts, the
-C core measures the physical limits (memcpy, raw loopback socket, raw ``process_vm_writev``,
-CUDA device-to-device copy) on the same shapes.  Every row is verified by sha256 of the whole
-range after its timed loop; an unverified row makes the exit code 1.
+``MC_FORCE_TCP=1``) is measured the same way on the same workload.  The C core measures the
+physical limits (memcpy, raw loopback socket, raw ``process_vm_writev``, CUDA device-to-device
+copy) on the same shapes, each right before the engines' rows of that shape and op, so that a
+ratio compares measurements seconds apart (on a shared machine the raw socket alone varied by
+1.5x over one run).  Every row is verified by sha256 of the whole range after its timed loop; an
+unverified row makes the exit code 1.
 
 Output: one progress line per measurement on stderr; on stdout the tables (ratios as
 ``vs <baseline>`` columns) and one PASS/MISS line per target; a JSON file (schema
@@ -251,12 +253,13 @@ def _measure_latency(t: Transport, n: int, target, initiator) -> dict:
     return out
 
 
-def _run_all(running: List[Transport], opts: BenchOptions, shapes, progress: _Progress, result: dict,
-             log: Optional[IO[str]]) -> None:
-    """Start every transport's processes, then measure shape by shape, taking the transports in turn.
+def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[str], progress: _Progress,
+             result: dict, log: Optional[IO[str]]) -> None:
+    """Start every transport's processes, then measure shape by shape: the physical limits, then
+    the transports in turn.
 
-    Interleaving keeps the comparison of two engines at one shape a few seconds apart, which
-    matters on a machine shared with other work.  Idle engines (Mooncake's too) use no CPU.
+    Interleaving keeps every comparison at one shape a few seconds apart, which matters on a
+    machine shared with other work.  Idle engines (Mooncake's too) use no CPU.
     """
     size = max(b * n for b, n in shapes)
     procs: Dict[str, tuple] = {}
@@ -282,6 +285,8 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, progress: _Pr
                 stop(t, exc)
         for op in opts.ops:
             for block, count in shapes:
+                for name in limits:
+                    _measure_baseline(name, op, block, count, opts, progress, result)
                 for t in running:
                     if t.name not in procs:
                         continue
@@ -313,25 +318,25 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, progress: _Pr
             target.close()
 
 
-def _measure_baselines(names, shapes, opts: BenchOptions, progress: _Progress) -> Tuple[list, Dict[str, str]]:
-    results, missing = [], {}
-    for name in names:
-        for block, count in shapes:
-            if name in missing:
-                progress.step(f"baseline {name}: {missing[name]}")
-                continue
-            span = block * count
-            total = max(span * reps_of(opts, span), 64 * MiB)
-            try:  # a limit is the best the machine can do: best of three
-                gbps = max(bl.measure(name, block, span, total, streams=opts.streams) for _ in range(3))
-            except bl.BaselineUnavailable as exc:
-                missing[name] = str(exc)
-                progress.step(f"baseline {name}: not available ({exc})")
-                continue
-            results.append({"name": name, "block": block, "count": count, "bytes": total, "gbps": gbps,
-                            "streams": opts.streams if name == "raw socket" else None})
-            progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s")
-    return results, missing
+def _measure_baseline(name: str, op: str, block: int, count: int, opts: BenchOptions, progress: _Progress,
+                      result: dict) -> None:
+    """One physical limit at one shape, measured beside the rows of ``op`` (best of three: a limit
+    is the best the machine can do); a limit found missing is not tried again."""
+    missing = result["baselines_missing"]
+    if name in missing:
+        progress.step(f"baseline {name}: {missing[name]}")
+        return
+    span = block * count
+    total = max(span * reps_of(opts, span), 64 * MiB)
+    try:
+        gbps = max(bl.measure(name, block, span, total, streams=opts.streams) for _ in range(3))
+    except bl.BaselineUnavailable as exc:
+        missing[name] = str(exc)
+        progress.step(f"baseline {name}: not available ({exc})")
+        return
+    result["baselines"].append({"name": name, "op": op, "block": block, "count": count, "bytes": total,
+                                "gbps": gbps, "streams": opts.streams if name == "raw socket" else None})
+    progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
 
 
 # ---------------------------------------------------------------------------------- output
@@ -353,9 +358,10 @@ def print_report(result: dict, out=sys.stdout) -> None:
         line += "".join(f" {_fmt_ratio(r['ratios'].get(c)):>14}" for c in columns)
         print(line + ("  yes" if r["verified"] else f"  NO ({r['error']})"), file=out)
     if baselines:
-        print(f"\n{'physical limit':<14} {'block':>7} {'count':>5} {'GB/s':>7}", file=out)
+        print(f"\n{'physical limit':<14} {'beside':<6} {'block':>7} {'count':>5} {'GB/s':>7}", file=out)
         for b in baselines:
-            print(f"{b['name']:<14} {fmt_size(b['block']):>7} {b['count']:>5} {b['gbps']:>7.2f}", file=out)
+            print(f"{b['name']:<14} {b.get('op', ''):<6} {fmt_size(b['block']):>7} {b['count']:>5} {b['gbps']:>7.2f}",
+                  file=out)
     if result["latency"]:
         print(f"\n{'4 KiB sync write':<16} {'n':>5} {'p50 us':>8} {'p99 us':>8} {'mean us':>8}  verified", file=out)
         for x in result["latency"]:
@@ -395,8 +401,11 @@ def draw_png(result: dict, path: str) -> Optional[str]:
     for b in result["baselines"]:
         largest[b["block"]] = max(largest.get(b["block"], 0), b["count"])
     for name in dict.fromkeys(b["name"] for b in result["baselines"]):
-        pts = sorted((b["block"], b["gbps"]) for b in result["baselines"]
-                     if b["name"] == name and b["count"] == largest[b["block"]])
+        per_block: Dict[int, List[float]] = {}  # one value per op pass: their mean
+        for b in result["baselines"]:
+            if b["name"] == name and b["count"] == largest[b["block"]]:
+                per_block.setdefault(b["block"], []).append(b["gbps"])
+        pts = sorted((block, sum(v) / len(v)) for block, v in per_block.items())
         ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", label=f"limit: {name}")
     ax.set_xscale("log", base=2)
     blocks = sorted({r["block"] for r in result["rows"]} | set(largest))
@@ -458,13 +467,12 @@ def run_bench(opts: BenchOptions) -> int:
     running = [t for t in chosen if transports[t.name]["available"]]
     wanted = {t.limit for t in running} | {extra for t in running for extra in bl.also_against(t.limit)}
     limits = [b for b in bl.BASELINES if b != "mooncake" and b in wanted]
-    progress = _Progress(len(limits) * len(shapes) + len(running) * (len(opts.ops) * len(shapes) + 1))
-    baselines, missing = _measure_baselines(limits, shapes, opts, progress)
-    result.update(transports=transports, baselines=baselines, baselines_missing=missing, rows=[], latency=[])
+    progress = _Progress((len(limits) + len(running)) * len(opts.ops) * len(shapes) + len(running))
+    result.update(transports=transports, baselines=[], baselines_missing={}, rows=[], latency=[])
     with contextlib.ExitStack() as stack:
         log = None if opts.verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
-        _run_all(running, opts, shapes, progress, result, log)
-    rows, latencies = result["rows"], result["latency"]
+        _run_all(running, opts, shapes, limits, progress, result, log)
+    rows, latencies, baselines = result["rows"], result["latency"], result["baselines"]
     order = {t.name: i for i, t in enumerate(TRANSPORTS)}
     rows.sort(key=lambda r: (order[r["transport"]], opts.ops.index(r["op"]), r["block"], r["count"]))
     bl.add_ratios(rows, baselines, {t.name: t.limit for t in TRANSPORTS})

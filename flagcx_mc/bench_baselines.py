@@ -140,18 +140,27 @@ def also_against(limit: str) -> Tuple[str, ...]:
 def add_ratios(rows: list, baselines: list, limit_of: Dict[str, str]) -> None:
     """Fill each row's ``ratios`` (throughput / baseline) and ``cpu_vs_mooncake``.
 
-    ``limit_of`` maps a transport name to the physical limit it is held against.
+    ``limit_of`` maps a transport name to the physical limit it is held against.  A row is held
+    against the limit measured beside it (same op pass), else against any measurement of that
+    shape (results written before limits were measured per op).
     """
-    base = {(b["name"], b["block"], b["count"]): b["gbps"] for b in baselines}
+    base = {}
+    for b in baselines:
+        base.setdefault((b["name"], b["block"], b["count"]), b["gbps"])
+        base[(b["name"], b["block"], b["count"], b.get("op"))] = b["gbps"]
+
+    def limit_for(name: str, r: dict) -> Optional[float]:
+        return base.get((name, r["block"], r["count"], r["op"]), base.get((name, r["block"], r["count"])))
+
     mooncake = {(r["op"], r["block"], r["count"]): r for r in rows if r["engine"] == "mooncake" and r["verified"]}
     for r in rows:
         if not r["verified"]:
             continue
-        limit = base.get((limit_of[r["transport"]], r["block"], r["count"]))
+        limit = limit_for(limit_of[r["transport"]], r)
         if limit:
             r["ratios"][limit_of[r["transport"]]] = r["gbps"] / limit
         for extra in also_against(limit_of[r["transport"]]):
-            other = base.get((extra, r["block"], r["count"]))
+            other = limit_for(extra, r)
             if other:
                 r["ratios"][extra] = r["gbps"] / other
         mc = mooncake.get((r["op"], r["block"], r["count"]))

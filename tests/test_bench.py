@@ -91,7 +91,10 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
             assert r["gbps"] > 0 and r["cpu_s_per_gib"] >= 0 and r["bytes"] == r["block"] * 8
             limit = data["transports"][name]["limit"]
             if limit not in data["baselines_missing"]:
-                assert r["ratios"][limit] > 0, (name, limit, r)
+                # held against the limit measured beside it: same shape, same op pass
+                beside = [b for b in data["baselines"]
+                          if (b["name"], b["op"], b["block"], b["count"]) == (limit, r["op"], r["block"], r["count"])]
+                assert len(beside) == 1 and r["ratios"][limit] == pytest.approx(r["gbps"] / beside[0]["gbps"])
             if name != "mooncake-tcp" and "mooncake-tcp" in ran:
                 assert r["ratios"]["mooncake"] > 0 and r["cpu_vs_mooncake"] > 0
     limits = {b["name"] for b in data["baselines"]}
@@ -144,6 +147,19 @@ def test_shapes_cap_batches_at_64_mib():
     opts = bench.BenchOptions(blocks=[4096, 64 * MiB], batches=[1, 1024])
     assert bench.shapes_of(opts) == [(4096, 1), (4096, 1024), (64 * MiB, 1)]
     assert bench.parse_size("4k") == 4096 and bench.parse_size("64MiB") == 64 * MiB
+
+
+def test_ratios_use_the_limit_measured_beside_the_row():
+    rows = [{"transport": "tcp", "engine": "flagcx_mc", "op": op, "block": 4096, "count": 8, "gbps": 2.0,
+             "verified": True, "ratios": {}, "cpu_s_per_gib": None} for op in ("write", "read")]
+    baselines = [{"name": "raw socket", "op": "write", "block": 4096, "count": 8, "gbps": 4.0},
+                 {"name": "raw socket", "op": "read", "block": 4096, "count": 8, "gbps": 1.0}]
+    bl.add_ratios(rows, baselines, {"tcp": "raw socket"})
+    assert [r["ratios"]["raw socket"] for r in rows] == [0.5, 2.0]
+    # Results from before limits were measured per op pass: any measurement of the shape.
+    old = [dict(rows[1], ratios={})]
+    bl.add_ratios(old, [{"name": "raw socket", "block": 4096, "count": 8, "gbps": 8.0}], {"tcp": "raw socket"})
+    assert old[0]["ratios"]["raw socket"] == 0.25
 
 
 def test_targets_report_the_worst_row():
