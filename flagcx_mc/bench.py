@@ -5,9 +5,10 @@ own; the initiator runs timed loops of sync batch transfers for each (block size
 shape and each op, and reports wall time and its own CPU time.  Mooncake's engine (PyPI wheel,
 ``MC_FORCE_TCP=1``) is measured the same way on the same workload.  The C core measures the
 physical limits (memcpy, raw loopback socket, raw ``process_vm_writev``, CUDA device-to-device
-copy) on the same shapes, each right before the engines' rows of that shape and op, so that a
-ratio compares measurements seconds apart (on a shared machine the raw socket alone varied by
-1.5x over one run).  Every row is verified by sha256 of the whole range after its timed loop; an
+copy) on the same shapes, in rounds with the engines' timed loops of that shape and op (limits,
+then each engine, once per trial; each side reports its best), so that a ratio compares
+measurements taken in the same seconds (on a shared machine the raw socket alone varied by 1.5x
+over one run).  Every row is verified by sha256 of the whole range after its timed loop; an
 unverified row makes the exit code 1.
 
 Output: one progress line per measurement on stderr; on stdout the tables (ratios as
@@ -204,31 +205,43 @@ def _start(t: Transport, opts: BenchOptions, size: int, log: Optional[IO[str]]):
     return target, initiator
 
 
-def _measure_row(t: Transport, op: str, block: int, count: int, reps: int, trials: int, target, initiator) -> dict:
-    """Fill the source, run the timed trials, checksum the destination; the row reports the fastest trial."""
-    span = block * count
-    timeout = 60.0 + span * (reps * trials + 1) / 20e6  # 20 MB/s would be far below any engine
+def _prepare_row(op: str, span: int, target, initiator) -> str:
+    """Random source, zeroed destination; returns the source's digest."""
     if op == "write":
         expect = initiator.call("fill", offset=0, length=span)["digest"]
         target.call("set", region=0, byte=0, offset=0, length=span)
     else:
         expect = target.call("fill", region=0, offset=0, length=span)["digest"]
         initiator.call("set", byte=0, offset=0, length=span)
-    r = initiator.call("run", timeout=timeout, op=op, target=target.session, remote=target.addr(0),
-                       block=block, count=count, reps=reps, trials=trials)
+    return expect
+
+
+def _run_trial(op: str, block: int, count: int, reps: int, target, initiator, warmup: int) -> dict:
+    """One timed loop of ``reps`` batches: ``{"rc", "trials": [one], "where"?}`` from the worker."""
+    timeout = 60.0 + block * count * (reps + warmup) / 20e6  # 20 MB/s would be far below any engine
+    return initiator.call("run", timeout=timeout, op=op, target=target.session, remote=target.addr(0),
+                          block=block, count=count, reps=reps, trials=1, warmup=warmup)
+
+
+def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs: List[dict], target,
+                initiator) -> dict:
+    """Checksum the destination after the trials; the row reports the fastest trial."""
+    span = block * count
     holder = target if op == "write" else initiator
     got = holder.call("digest", region=0, offset=0, length=span)["digest"]
+    trials = [x for r in runs for x in r["trials"]]
+    failed = next((r for r in runs if r["rc"] != 0), None)
     error = None
-    if r["rc"] != 0:
-        error = f"return code {r['rc']} in {r.get('where', 'timed loop')}"
+    if failed is not None:
+        error = f"return code {failed['rc']} in {failed.get('where', 'timed loop')}"
     elif got != expect:
         error = "content differs from the source"
     elif isinstance(target, NodeProcess) and not isinstance(target, WorkerProcess):
         if not target.call("guards")["intact"]:
             error = "bytes written outside the target range"
-    trial_gbps = [span * x["reps"] / x["seconds"] / 1e9 if x["seconds"] > 0 else 0.0 for x in r["trials"]]
-    best = r["trials"][trial_gbps.index(max(trial_gbps))] if trial_gbps else {"reps": 0, "seconds": 0.0,
-                                                                               "cpu_seconds": 0.0}
+    trial_gbps = [span * x["reps"] / x["seconds"] / 1e9 if x["seconds"] > 0 else 0.0 for x in trials]
+    best = trials[trial_gbps.index(max(trial_gbps))] if trial_gbps else {"reps": 0, "seconds": 0.0,
+                                                                         "cpu_seconds": 0.0}
     moved = span * best["reps"]
     return {
         "transport": t.name, "engine": t.engine, "memory": t.memory, "op": op, "block": block, "count": count,
@@ -255,8 +268,8 @@ def _measure_latency(t: Transport, n: int, target, initiator) -> dict:
 
 def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[str], progress: _Progress,
              result: dict, log: Optional[IO[str]]) -> None:
-    """Start every transport's processes, then measure shape by shape: the physical limits, then
-    the transports in turn.
+    """Start every transport's processes, then measure shape by shape (``_measure_shape``: the
+    physical limits and the transports trial by trial in turn), then the latency test.
 
     Interleaving keeps every comparison at one shape a few seconds apart, which matters on a
     machine shared with other work.  Idle engines (Mooncake's too) use no CPU.
@@ -285,22 +298,8 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[
                 stop(t, exc)
         for op in opts.ops:
             for block, count in shapes:
-                for name in limits:
-                    _measure_baseline(name, op, block, count, opts, progress, result)
-                for t in running:
-                    if t.name not in procs:
-                        continue
-                    target, initiator = procs[t.name]
-                    try:
-                        row = _measure_row(t, op, block, count, reps_of(opts, block * count), opts.trials, target,
-                                           initiator)
-                    except (NodeError, OSError) as exc:
-                        stop(t, exc)
-                        continue
-                    result["rows"].append(row)
-                    status = "verified" if row["verified"] else f"NOT VERIFIED: {row['error']}"
-                    progress.step(f"{t.name:<14} {op:<5} {fmt_size(block):>7} x{count:<5} {row['gbps']:7.2f} GB/s  "
-                                  f"{row['cpu_s_per_gib'] or 0:6.3f} CPU s/GiB  {status}")
+                _measure_shape(op, block, count, [t for t in running if t.name in procs], procs, limits, opts,
+                               progress, result, stop)
         for t in running:
             if t.name not in procs:
                 continue
@@ -318,25 +317,59 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[
             target.close()
 
 
-def _measure_baseline(name: str, op: str, block: int, count: int, opts: BenchOptions, progress: _Progress,
-                      result: dict) -> None:
-    """One physical limit at one shape, measured beside the rows of ``op`` (best of three: a limit
-    is the best the machine can do); a limit found missing is not tried again."""
-    missing = result["baselines_missing"]
-    if name in missing:
-        progress.step(f"baseline {name}: {missing[name]}")
-        return
+def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
+                   limits: List[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
+    """Every limit and every transport at one shape and op, trial by trial in turn: round k measures
+    each limit once, then runs each transport's k-th timed loop.  Load that comes and goes on a
+    shared machine then falls on both sides of every ratio alike; each side reports its best."""
     span = block * count
-    total = max(span * reps_of(opts, span), 64 * MiB)
-    try:
-        gbps = max(bl.measure(name, block, span, total, streams=opts.streams) for _ in range(3))
-    except bl.BaselineUnavailable as exc:
-        missing[name] = str(exc)
-        progress.step(f"baseline {name}: not available ({exc})")
-        return
-    result["baselines"].append({"name": name, "op": op, "block": block, "count": count, "bytes": total,
-                                "gbps": gbps, "streams": opts.streams if name == "raw socket" else None})
-    progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
+    reps = reps_of(opts, span)
+    expects: Dict[str, str] = {}
+    for t in live:
+        try:
+            expects[t.name] = _prepare_row(op, span, *procs[t.name])
+        except (NodeError, OSError) as exc:
+            stop(t, exc)
+    live = [t for t in live if t.name in expects]
+    limit_gbps: Dict[str, List[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
+    runs: Dict[str, List[dict]] = {t.name: [] for t in live}
+    for k in range(opts.trials):
+        for name in list(limit_gbps):
+            try:
+                limit_gbps[name].append(bl.measure(name, block, span, max(span * reps, 64 * MiB),
+                                                   streams=opts.streams))
+            except bl.BaselineUnavailable as exc:
+                result["baselines_missing"][name] = str(exc)
+                del limit_gbps[name]
+        for t in live:
+            if t.name not in procs or (runs[t.name] and runs[t.name][-1]["rc"] != 0):
+                continue
+            try:
+                runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name], warmup=1 if k == 0 else 0))
+            except (NodeError, OSError) as exc:
+                stop(t, exc)
+    for name in limits:
+        if name in result["baselines_missing"]:
+            progress.step(f"baseline {name}: not available ({result['baselines_missing'][name]})")
+            continue
+        gbps = max(limit_gbps[name])
+        result["baselines"].append({"name": name, "op": op, "block": block, "count": count,
+                                    "bytes": max(span * reps, 64 * MiB), "gbps": gbps,
+                                    "trials_gbps": limit_gbps[name],
+                                    "streams": opts.streams if name == "raw socket" else None})
+        progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
+    for t in live:
+        if t.name not in procs:
+            continue
+        try:
+            row = _finish_row(t, op, block, count, expects[t.name], runs[t.name], *procs[t.name])
+        except (NodeError, OSError) as exc:
+            stop(t, exc)
+            continue
+        result["rows"].append(row)
+        status = "verified" if row["verified"] else f"NOT VERIFIED: {row['error']}"
+        progress.step(f"{t.name:<14} {op:<5} {fmt_size(block):>7} x{count:<5} {row['gbps']:7.2f} GB/s  "
+                      f"{row['cpu_s_per_gib'] or 0:6.3f} CPU s/GiB  {status}")
 
 
 # ---------------------------------------------------------------------------------- output
