@@ -333,7 +333,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     live = [t for t in live if t.name in expects]
     limit_gbps: Dict[str, List[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
     runs: Dict[str, List[dict]] = {t.name: [] for t in live}
-    for k in range(opts.trials):
+    for _ in range(opts.trials):
         for name in list(limit_gbps):
             try:
                 limit_gbps[name].append(bl.measure(name, block, span, max(span * reps, 64 * MiB),
@@ -345,7 +345,9 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
             if t.name not in procs or (runs[t.name] and runs[t.name][-1]["rc"] != 0):
                 continue
             try:
-                runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name], warmup=1 if k == 0 else 0))
+                # an untimed batch first in every round: the engine's threads, sockets and GPU
+                # context get going again after the others' turns (the limits warm up likewise)
+                runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name], warmup=1))
             except (NodeError, OSError) as exc:
                 stop(t, exc)
     for name in limits:
