@@ -70,6 +70,43 @@ def test_gpu_batches_scattered(gpu_pair):
     assert node.call("digest", region=1, offset=0, length=block * count)["digest"] == hashlib.sha256(expected).hexdigest()
 
 
+@pytest.mark.parametrize("remote_region", [0, 1], ids=["to host", "to gpu"])
+def test_small_writes_from_host_and_gpu_sources_mixed_in_one_batch(gpu_pair, remote_region):
+    """4 KiB slices of one batch come from host and GPU memory in turn: over TCP they travel as
+    vectors (the GPU sources staged, the vectors holding them copied, not spliced), and every
+    block lands in its place; reads back into host memory are vectors too."""
+    import hashlib
+
+    eng, node, bufs = gpu_pair
+    host, gpu = bufs["host"], bufs["gpu"]
+    block, count = 4096, 768
+    source = [gpu if i % 3 == 0 else host for i in range(count)]
+    host.fill_random(0, block * count)
+    gpu.fill_random(0, block * count)
+    remote = _region_addr(node, remote_region)
+    before = node.call("stats")["vectors_served"]
+    assert eng.batch_transfer_sync_write(node.session, [source[i].addr + i * block for i in range(count)],
+                                         [remote + i * block for i in range(count)], [block] * count) == 0
+    expected = b"".join(source[i].read(i * block, block) for i in range(count))
+    assert node.call("digest", region=remote_region, offset=0, length=block * count)["digest"] == \
+        hashlib.sha256(expected).hexdigest()
+    digest = node.call("fill", region=remote_region, offset=0, length=block * count)["digest"]
+    host.fill(0, 0, block * count)
+    assert eng.batch_transfer_sync_read(node.session, [host.addr + i * block for i in range(count)],
+                                        [remote + i * block for i in range(count)], [block] * count) == 0
+    assert host.digest(0, block * count) == digest
+    if eng._engine.config.transport == "tcp":
+        assert node.call("stats")["vectors_served"] > before
+        # GPU sources alone form vectors too
+        before = node.call("stats")["vectors_served"]
+        digest = gpu.fill_random(0, 64 * block)
+        assert eng.batch_transfer_sync_write(node.session, [gpu.addr + i * block for i in range(64)],
+                                             [remote + i * block for i in range(64)], [block] * 64) == 0
+        assert node.call("digest", region=remote_region, offset=0, length=64 * block)["digest"] == digest
+        assert node.call("stats")["vectors_served"] > before
+    assert node.call("guards")["intact"]
+
+
 @pytest.mark.parametrize("local_kind", ["host", "gpu"])
 def test_gpu_runs_of_contiguous_writes_with_gaps(gpu_pair, local_kind):
     """Writes into GPU memory whose destinations follow each other are copied as one run on the

@@ -151,10 +151,12 @@ static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
     return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
 }
 
-/* Small host-memory slices of one batch travel as vectors when the target takes them. */
+/* Small slices of one batch travel as vectors when the target takes them: writes from host or
+ * GPU memory (GPU sources are staged like any other, stage_gpu_sources), reads into host memory
+ * only (a vector's payloads are scattered by one recvmsg, which cannot write GPU memory). */
 static int vectorizable(const fmc_peer *p, const fmc_slice *s)
 {
-    return p->vectors && s->local_dev < 0 && s->len <= FMC_VEC_ENTRY_MAX;
+    return p->vectors && s->len <= FMC_VEC_ENTRY_MAX && (s->local_dev < 0 || s->batch->opcode == FMC_OP_WRITE);
 }
 
 /* How many slices from s on can form one vector, within this round's limits. */
@@ -278,7 +280,12 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
             sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
             bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
-            int zc = is_write && zero_copy_payload(st, s->local_dev, sum); /* all host memory (vectorizable) */
+            int gpu_source = 0;
+            const fmc_slice *y = s;
+            for (int j = 0; is_write && j < k; j++, y = y->next) /* linked in order on `inflight` */
+                gpu_source |= y->local_dev >= 0;
+            /* staged GPU sources live in a buffer the next round reuses: such a vector is copied */
+            int zc = is_write && !gpu_source && zero_copy_payload(st, -1, sum);
             nzc += zc;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
                 sc->zc[niov] = (uint8_t)zc;
