@@ -263,41 +263,29 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
     b->outstanding = (int)nslices;
     b->finished = nslices == 0;
     *out = b;
-    int used = 0, only = -1;
+    int used = 0;
     for (int i = 0; i < p->nstreams; i++)
-        if (per_stream[i].head) {
-            used++;
-            only = i;
-        }
-    if (used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_INLINE_MAX_BYTES) {
-        fmc_slice *head = per_stream[only].head;
-        int claimed = 0;
-        int rc = fmc_stream_enqueue_inline(&p->streams[only], &per_stream[only], inline_deadline_ms,
-                                           receiving && opcode == FMC_OP_WRITE && fmc_spin_us() > 0, &claimed);
-        if (claimed)
-            *receiving = &p->streams[only];
-        if (rc == FMC_ERR_SOCKET)
-            fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
-        else if (rc == FMC_ERR_TIMEOUT)
-            mark_error(b, FMC_ERR_TIMEOUT); /* the cut stream fails the slices; report why */
-        return FMC_OK;
-    }
-    /* A synchronous read's requests carry no payload: the caller sends them on every idle stream
-     * itself, which spares a sender-thread wake-up per stream per batch (each one costs tens of
-     * microseconds on a loaded small machine).  Writes keep their sender threads, which push the
-     * streams' payloads in parallel. */
-    int send_here = opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE;
+        used += per_stream[i].head != NULL;
+    /* The calling thread sends on idle streams itself (no sender-thread wake-up) a small transfer
+     * that fits one stream, and a synchronous read's requests on every stream: they carry no
+     * payload, and each wake-up spared costs tens of microseconds on a loaded small machine.
+     * Other writes keep their sender threads, which push the streams' payloads in parallel. */
+    int small = used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_INLINE_MAX_BYTES;
+    int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
+    int claim = small && receiving && opcode == FMC_OP_WRITE && fmc_spin_us() > 0;
     for (int i = 0; i < p->nstreams; i++) {
         if (!per_stream[i].head)
             continue;
         fmc_slice *head = per_stream[i].head;
         int claimed = 0, rc;
         if (send_here)
-            rc = fmc_stream_enqueue_inline(&p->streams[i], &per_stream[i], inline_deadline_ms, 0, &claimed);
+            rc = fmc_stream_enqueue_inline(&p->streams[i], &per_stream[i], inline_deadline_ms, claim, &claimed);
         else
             rc = fmc_stream_enqueue(&p->streams[i], &per_stream[i]);
+        if (claimed)
+            *receiving = &p->streams[i];
         if (rc == FMC_ERR_SOCKET)
-            fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued */
+            fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
         else if (rc == FMC_ERR_TIMEOUT)
             mark_error(b, FMC_ERR_TIMEOUT); /* the cut stream fails the slices; report why */
     }

@@ -55,6 +55,9 @@ void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
 /* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 int fmc_recv_all(int fd, void *buf, size_t len);
+/* 1 if the connection was reset (or shut down both ways), without waiting: POLLERR/POLLHUP show
+ * even while bytes that arrived before the reset are still readable. */
+int fmc_socket_reset(int fd);
 
 /* Zero-copy sends (fmc_splice.c): iovecs flagged in zc[] go through vmsplice + splice (the
  * pipe is opened on first use, closed with fmc_zc_pipe_close), the rest through sendmsg.  Only

@@ -133,6 +133,14 @@ static int ack_due(const fmc_stream *st)
     return st->zc_owed && (st->zc_owed >= ZC_ACK_EVERY || st->zc_ack_idle);
 }
 
+/* The receive side, with st->mu held: an acknowledgement due while no round is running goes out
+ * from the sender thread (a running round's end sees it and wakes that thread). */
+static void send_ack_if_due_locked(fmc_stream *st)
+{
+    if (ack_due(st) && !st->sending_active)
+        pthread_cond_signal(&st->cv);
+}
+
 typedef struct send_scratch {
     uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
     uint8_t ack[FMC_REQ_SIZE];
@@ -144,8 +152,9 @@ typedef struct send_scratch {
     size_t copy_len[FMC_IOV_MAX];
 } send_scratch;
 
-/* A write payload that may leave zero-copy (fmc_splice.c): host memory, large enough to pay for
- * the extra syscalls, and to our own targets, which check for a reset before it lands. */
+/* A write payload that may leave zero-copy (fmc_splice.c): host memory (GPU sources are staged
+ * in a buffer the next round reuses), large enough to pay for the extra syscalls, and to our own
+ * targets, which check for a reset before it lands. */
 static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
 {
     return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
@@ -280,12 +289,11 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
             sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
             bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
-            int gpu_source = 0;
+            int dev = -1; /* a GPU source's, if any (staged: the vector is copied) */
             const fmc_slice *y = s;
             for (int j = 0; is_write && j < k; j++, y = y->next) /* linked in order on `inflight` */
-                gpu_source |= y->local_dev >= 0;
-            /* staged GPU sources live in a buffer the next round reuses: such a vector is copied */
-            int zc = is_write && !gpu_source && zero_copy_payload(st, -1, sum);
+                dev = y->local_dev >= 0 ? y->local_dev : dev;
+            int zc = is_write && zero_copy_payload(st, dev, sum);
             nzc += zc;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
                 sc->zc[niov] = (uint8_t)zc;
@@ -492,14 +500,12 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
 }
 
 /* A zero-copy answer's bytes were copied out of the target's pages just now; a target that
- * reset the connection may have released them first (fmc_wire.h), so they cannot count.  A
- * reset shows as POLLERR/POLLHUP even while bytes queued before it remain readable. */
+ * reset the connection may have released them first (fmc_wire.h), so they cannot count. */
 static int zc_answer_void(fmc_stream *st, const fmc_resp *a)
 {
     if (!(a->flags & FMC_RESP_ZC))
         return 0;
-    struct pollfd pfd = {.fd = st->rd.fd, .events = 0};
-    if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP))) {
+    if (fmc_socket_reset(st->rd.fd)) {
         fmc_engine_log(st->peer->engine, "peer %s:%d reset the connection under a zero-copy read answer; "
                        "its reads fail", st->peer->host, st->peer->data_port);
         return 1;
@@ -624,11 +630,8 @@ static int receiver_park(fmc_stream *st)
             pf[1].revents = POLLERR;
         if (ready == 0) { /* idle with acknowledgements owed: the sender thread sends them */
             pthread_mutex_lock(&st->mu);
-            if (st->zc_owed) {
-                st->zc_ack_idle = 1;
-                if (!st->sending_active)
-                    pthread_cond_signal(&st->cv);
-            }
+            st->zc_ack_idle = st->zc_owed != 0; /* a round may have sent them meanwhile */
+            send_ack_if_due_locked(st);
             pthread_mutex_unlock(&st->mu);
         }
         uint64_t count;
@@ -762,8 +765,7 @@ void *fmc_stream_recv_main(void *arg)
         }
         if (broken)
             break;
-        if (ack_due(st) && !st->sending_active)
-            pthread_cond_signal(&st->cv); /* the sender thread sends it */
+        send_ack_if_due_locked(st);
         pthread_mutex_unlock(&st->mu);
     }
     land_pending(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */

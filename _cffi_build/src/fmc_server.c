@@ -255,10 +255,7 @@ static void push_payload(conn_state *cs, void *data, uint64_t len, int zc)
  * poll() says whether the connection was reset (bytes queued before the reset stay readable). */
 static int initiator_gave_up(conn_state *cs, uint64_t payload_len)
 {
-    if (payload_len < FMC_ZC_MIN_BYTES)
-        return 0;
-    struct pollfd pfd = {.fd = cs->c->fd, .events = 0};
-    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
+    return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
 /* The queued answers, zero-copy payloads through the connection's pipe. */

@@ -251,6 +251,12 @@ int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags)
 
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt) { return fmc_sendv_flags(fd, iov, iovcnt, 0); }
 
+int fmc_socket_reset(int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = 0};
+    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
+}
+
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms)
 {
     struct msghdr msg;
