@@ -216,11 +216,13 @@ def _prepare_row(op: str, span: int, target, initiator) -> str:
     return expect
 
 
-def _run_trial(op: str, block: int, count: int, reps: int, target, initiator, warmup: int) -> dict:
-    """One timed loop of ``reps`` batches: ``{"rc", "trials": [one], "where"?}`` from the worker."""
-    timeout = 60.0 + block * count * (reps + warmup) / 20e6  # 20 MB/s would be far below any engine
+def _run_trial(op: str, block: int, count: int, reps: int, target, initiator) -> dict:
+    """One untimed batch, then one timed loop of ``reps`` batches: ``{"rc", "trials": [one],
+    "where"?}`` from the worker.  The untimed batch gets the engine's threads, sockets and GPU
+    context going again after the other engines' and the limits' turns."""
+    timeout = 60.0 + block * count * (reps + 1) / 20e6  # 20 MB/s would be far below any engine
     return initiator.call("run", timeout=timeout, op=op, target=target.session, remote=target.addr(0),
-                          block=block, count=count, reps=reps, trials=1, warmup=warmup)
+                          block=block, count=count, reps=reps, trials=1, warmup=1)
 
 
 def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs: List[dict], target,
@@ -324,6 +326,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     shared machine then falls on both sides of every ratio alike; each side reports its best."""
     span = block * count
     reps = reps_of(opts, span)
+    limit_bytes = max(span * reps, 64 * MiB)
     expects: Dict[str, str] = {}
     for t in live:
         try:
@@ -336,8 +339,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     for _ in range(opts.trials):
         for name in list(limit_gbps):
             try:
-                limit_gbps[name].append(bl.measure(name, block, span, max(span * reps, 64 * MiB),
-                                                   streams=opts.streams))
+                limit_gbps[name].append(bl.measure(name, block, span, limit_bytes, streams=opts.streams))
             except bl.BaselineUnavailable as exc:
                 result["baselines_missing"][name] = str(exc)
                 del limit_gbps[name]
@@ -345,9 +347,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
             if t.name not in procs or (runs[t.name] and runs[t.name][-1]["rc"] != 0):
                 continue
             try:
-                # an untimed batch first in every round: the engine's threads, sockets and GPU
-                # context get going again after the others' turns (the limits warm up likewise)
-                runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name], warmup=1))
+                runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name]))
             except (NodeError, OSError) as exc:
                 stop(t, exc)
     for name in limits:
@@ -356,7 +356,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
             continue
         gbps = max(limit_gbps[name])
         result["baselines"].append({"name": name, "op": op, "block": block, "count": count,
-                                    "bytes": max(span * reps, 64 * MiB), "gbps": gbps,
+                                    "bytes": limit_bytes, "gbps": gbps,
                                     "trials_gbps": limit_gbps[name],
                                     "streams": opts.streams if name == "raw socket" else None})
         progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")

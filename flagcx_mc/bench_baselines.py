@@ -156,13 +156,11 @@ def add_ratios(rows: list, baselines: list, limit_of: Dict[str, str]) -> None:
     for r in rows:
         if not r["verified"]:
             continue
-        limit = limit_for(limit_of[r["transport"]], r)
-        if limit:
-            r["ratios"][limit_of[r["transport"]]] = r["gbps"] / limit
-        for extra in also_against(limit_of[r["transport"]]):
-            other = limit_for(extra, r)
-            if other:
-                r["ratios"][extra] = r["gbps"] / other
+        own = limit_of[r["transport"]]
+        for name in (own, *also_against(own)):
+            limit = limit_for(name, r)
+            if limit:
+                r["ratios"][name] = r["gbps"] / limit
         mc = mooncake.get((r["op"], r["block"], r["count"]))
         if mc is not None and r["engine"] != "mooncake":
             r["ratios"]["mooncake"] = r["gbps"] / mc["gbps"] if mc["gbps"] else None
