@@ -73,6 +73,8 @@ int fmc_region_slots(fmc_engine *engine, int32_t *slots, uint32_t *gens, int cap
 int fmc_engine_same_host_fd(fmc_engine *engine);
 uint64_t fmc_engine_same_host_addr(fmc_engine *engine);
 int fmc_region_cuda_ipc(fmc_engine *engine, uint64_t addr, uint8_t *handle64, uint64_t *alloc_base, int *device);
+int fmc_region_cuda_vmm(fmc_engine *engine, uint64_t addr, uint64_t *bases, uint64_t *sizes, int32_t *fds, int cap,
+                        int *device);
 
 int fmc_peer_create(fmc_engine *engine, const char *host, int data_port, int nstreams,
                     uint64_t slice_size, fmc_peer **out);
@@ -88,6 +90,9 @@ int fmc_peer_is_same_host(fmc_peer *peer);
 int fmc_peer_set_region_shm(fmc_peer *peer, uint64_t addr, int memfd, uint64_t size);
 int fmc_peer_shared_region_count(fmc_peer *peer);
 int fmc_peer_set_region_ipc(fmc_peer *peer, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device);
+int fmc_peer_set_region_device(fmc_peer *peer, uint64_t addr, int device);
+int fmc_peer_set_region_vmm(fmc_peer *peer, uint64_t addr, int device, int n, const uint64_t *bases,
+                            const uint64_t *sizes, const int32_t *fds);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);
 void fmc_peer_set_call_stats(fmc_peer *peer, fmc_call_stats *stats);
@@ -114,6 +119,8 @@ int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps
 int fmc_baseline_cuda_devices(int *count_out);
 int fmc_baseline_cuda_alloc(int device, uint64_t size, uint64_t *ptr_out);
 int fmc_baseline_cuda_free(int device, uint64_t ptr);
+int fmc_baseline_cuda_alloc_vmm(int device, uint64_t size, uint64_t chunk, int shareable, uint64_t *ptr_out);
+int fmc_baseline_cuda_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk);
 int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len);
 int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
                           int wait_each_batch, double *gbps_out);

@@ -10,6 +10,7 @@ import logging
 from typing import List, Optional, Sequence, Tuple
 
 from . import errors
+from .metadata import MAX_GPU_CHUNKS, GpuShare
 try:
     from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
 except ImportError as exc:  # a source tree without the compiled core
@@ -108,17 +109,30 @@ class CoreEngine:
                 return [(int(slots[i]), int(gens[i])) for i in range(n)]
             cap = n * 2
 
-    def cuda_ipc(self, addr: int) -> Optional[Tuple[int, bytes, int]]:
-        """(device, 64-byte CUDA IPC handle, allocation base) of a registered GPU region, else None."""
+    def gpu_share(self, addr: int) -> Optional[GpuShare]:
+        """How same-host peers can map the registered region at ``addr``; None for host memory.
+
+        A legacy CUDA IPC handle where the memory has one, else its VMM chunks as file
+        descriptors; memory that has neither is still described as GPU memory (the reason is
+        logged), so that peers move its bytes through staging instead of process_vm_*."""
         handle = ffi.new("uint8_t[64]")
         base = ffi.new("uint64_t *")
         dev = ffi.new("int *")
         rc = lib.fmc_region_cuda_ipc(self._ptr, addr, handle, base, dev)
-        if rc <= 0:
-            if rc < 0:
-                log.warning("GPU region at %#x cannot be shared over CUDA IPC: %s", addr, last_error())
+        if rc == 1:
+            return GpuShare(int(dev[0]), ipc=bytes(ffi.buffer(handle, 64)).hex(), base=int(base[0]))
+        if rc == 0 and dev[0] < 0:
             return None
-        return int(dev[0]), bytes(ffi.buffer(handle, 64)), int(base[0])
+        ipc_reason = last_error()
+        bases = ffi.new("uint64_t[]", MAX_GPU_CHUNKS)
+        sizes = ffi.new("uint64_t[]", MAX_GPU_CHUNKS)
+        fds = ffi.new("int32_t[]", MAX_GPU_CHUNKS)
+        n = lib.fmc_region_cuda_vmm(self._ptr, addr, bases, sizes, fds, MAX_GPU_CHUNKS, dev)
+        if 0 < n <= MAX_GPU_CHUNKS:
+            return GpuShare(int(dev[0]), vmm=tuple((int(bases[i]), int(sizes[i]), int(fds[i])) for i in range(n)))
+        log.warning("GPU region at %#x cannot be shared with same-host peers (they will stage its bytes): "
+                    "CUDA IPC: %s; VMM: %s", addr, ipc_reason, last_error())
+        return GpuShare(int(dev[0]))
 
     @property
     def same_host_fd(self) -> int:
@@ -218,9 +232,19 @@ class CorePeer:
         """How many of the peer's regions are mapped here (copied into with memcpy)."""
         return int(lib.fmc_peer_shared_region_count(self._ptr))
 
-    def set_region_ipc(self, addr: int, device: int, handle: bytes, alloc_base: int) -> None:
-        """A remote GPU region: remember it is GPU memory and, same host, map it with CUDA IPC."""
-        _raise_for(lib.fmc_peer_set_region_ipc(self._ptr, addr, handle, alloc_base, device))
+    def set_region_gpu(self, addr: int, share: GpuShare) -> None:
+        """A remote GPU region: remember it is GPU memory and, same host, map it here (CUDA IPC
+        handle or VMM chunks)."""
+        if share.vmm:
+            bases, sizes, fds = zip(*share.vmm)
+            _raise_for(lib.fmc_peer_set_region_vmm(self._ptr, addr, share.device, len(bases),
+                                                   ffi.new("uint64_t[]", bases), ffi.new("uint64_t[]", sizes),
+                                                   ffi.new("int32_t[]", fds)))
+        elif share.ipc:
+            _raise_for(lib.fmc_peer_set_region_ipc(self._ptr, addr, bytes.fromhex(share.ipc), share.base,
+                                                   share.device))
+        else:
+            _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, share.device))
 
     def connect(self, timeout_ms: int) -> None:
         """Open every data stream (blocking; run it off the event loop)."""

@@ -81,14 +81,24 @@ class HostBuffer:
 
 class DeviceBuffer:
     """GPU memory (cuMemAlloc through the core's dlopen'ed libcuda) with a host mirror, so tests
-    and the benchmark can fill, clear and checksum it without torch or cupy."""
+    and the benchmark can fill, clear and checksum it without torch or cupy.
 
-    def __init__(self, size: int, device: int = 0) -> None:
+    ``vmm_chunk`` > 0: VMM memory instead, as torch's expandable segments make it (one cuMemCreate
+    allocation per chunk of that many bytes, side by side; ``size`` is rounded up to whole chunks),
+    whose chunks allow POSIX file descriptor handles if ``shareable``."""
+
+    def __init__(self, size: int, device: int = 0, vmm_chunk: int = 0, shareable: bool = True) -> None:
         from ._core import _raise_for, ffi, lib
 
         self._lib, self._raise = lib, _raise_for
         ptr = ffi.new("uint64_t *")
-        _raise_for(lib.fmc_baseline_cuda_alloc(device, size, ptr), "cannot allocate GPU memory")
+        self._vmm_chunk = vmm_chunk
+        self._mapped = -(-size // vmm_chunk) * vmm_chunk if vmm_chunk else size
+        if vmm_chunk:
+            _raise_for(lib.fmc_baseline_cuda_alloc_vmm(device, self._mapped, vmm_chunk, int(shareable), ptr),
+                       "cannot allocate VMM GPU memory")
+        else:
+            _raise_for(lib.fmc_baseline_cuda_alloc(device, size, ptr), "cannot allocate GPU memory")
         self.addr = int(ptr[0])
         self.size = size
         self.device = device
@@ -120,6 +130,9 @@ class DeviceBuffer:
 
     def close(self) -> None:
         if self._staging is not None:
-            self._lib.fmc_baseline_cuda_free(self.device, self.addr)
+            if self._vmm_chunk:
+                self._lib.fmc_baseline_cuda_free_vmm(self.device, self.addr, self._mapped, self._vmm_chunk)
+            else:
+                self._lib.fmc_baseline_cuda_free(self.device, self.addr)
             self._staging.close()
             self._staging = None

@@ -39,7 +39,7 @@ class LocalSegment:
         self._shared_mappings = shared_mappings  # managed memory same-host peers may map
         self._notifies = notifies
         self._boot_id = boot_id()
-        self._ipc_cache: dict = {}  # addr -> (device, handle hex, allocation base) or None
+        self._gpu_shares: dict = {}  # (addr, key) -> GpuShare, or None for host memory
         self.name = ""
 
     def desc(self) -> SegmentDesc:
@@ -48,6 +48,8 @@ class LocalSegment:
         shared = self._shared_mappings()
         if len(slots) != len(table):  # registry changed between the two reads: no same-host hints
             slots = [(-1, 0)] * len(table)
+        live = {(a, k) for a, _, k in table}
+        self._gpu_shares = {ak: share for ak, share in self._gpu_shares.items() if ak in live}
         return SegmentDesc(
             name=self.name,
             protocol="tcp",
@@ -57,7 +59,7 @@ class LocalSegment:
             native=NativeInfo(
                 version=NATIVE_VERSION,
                 data_port=self._core.data_port,
-                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._cuda(a),
+                regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._gpu_share(a, k),
                                          shm=_whole_region(shared.get(a), n))
                               for (a, n, k), (sl, g) in zip(table, slots)),
                 boot_id=self._boot_id,
@@ -67,12 +69,12 @@ class LocalSegment:
             ),
         )
 
-    def _cuda(self, addr: int):
-        """GPU regions carry their CUDA IPC handle (exported once, then cached)."""
-        if addr not in self._ipc_cache:
-            info = self._core.cuda_ipc(addr)
-            self._ipc_cache[addr] = None if info is None else (info[0], info[1].hex(), info[2])
-        return self._ipc_cache[addr]
+    def _gpu_share(self, addr: int, key: int):
+        """GPU regions carry what same-host peers need to map them (exported once per
+        registration: a region registered anew has a new key)."""
+        if (addr, key) not in self._gpu_shares:
+            self._gpu_shares[(addr, key)] = self._core.gpu_share(addr)
+        return self._gpu_shares[(addr, key)]
 
     def desc_json(self) -> dict:
         return self.desc().to_json_dict()

@@ -20,6 +20,7 @@ from .errors import MalformedJsonError
 __all__ = [
     "NATIVE_KEY",
     "BufferDesc",
+    "GpuShare",
     "RegionDesc",
     "NativeInfo",
     "SegmentDesc",
@@ -30,6 +31,7 @@ NATIVE_KEY = "flagcx_mc"
 
 _U64 = 1 << 64
 _U32 = 1 << 32
+MAX_GPU_CHUNKS = 8192  # VMM chunks of one region (the C core's FMC_CUDA_VMM_MAX_CHUNKS)
 
 
 def now_timestamp() -> str:
@@ -47,6 +49,18 @@ class BufferDesc:
 
 
 @dataclass(frozen=True)
+class GpuShare:
+    """A GPU region, and how a same-host peer can map it: a legacy CUDA IPC handle (``cuMemAlloc``
+    memory), or VMM chunks (``cuMemCreate`` memory, e.g. torch's expandable segments) as file
+    descriptors of the owner's process.  Neither: peers still know it is GPU memory (TCP staging)."""
+
+    device: int
+    ipc: str = ""  # 64-byte handle as hex, with the allocation base it maps
+    base: int = 0
+    vmm: tuple[tuple[int, int, int], ...] = ()  # (base, size, fd) per chunk, in address order
+
+
+@dataclass(frozen=True)
 class RegionDesc:
     """One registered region as our native data plane addresses it (``key`` is a u32)."""
 
@@ -55,7 +69,7 @@ class RegionDesc:
     key: int
     slot: int = -1  # same-host control slot (-1: none), with its generation
     gen: int = 0
-    cuda: tuple | None = None  # GPU memory: (device, CUDA IPC handle as hex, allocation base)
+    cuda: GpuShare | None = None  # GPU memory
     shm: tuple | None = None   # engine-allocated shared memory: (memfd number in `pid`, size)
 
 
@@ -105,11 +119,7 @@ class NativeInfo:
                 slot = _req_uint(r, "slot", where, bound=_U32)
                 gen = _req_uint(r, "gen", where, bound=_U32)
             if "cuda" in r:
-                c = _as_object(r["cuda"], f"{where}.cuda")
-                handle = _req_str(c, "ipc", f"{where}.cuda")
-                if len(handle) != 128 or any(ch not in "0123456789abcdef" for ch in handle):
-                    raise MalformedJsonError(f"{where}.cuda.ipc: not a 64-byte hex handle")
-                cuda = (_req_uint(c, "dev", f"{where}.cuda", bound=1024), handle, _req_uint(c, "base", f"{where}.cuda"))
+                cuda = _gpu_share(r["cuda"], addr, length, f"{where}.cuda")
             shm = None
             if "shm" in r:
                 m = _as_object(r["shm"], f"{where}.shm")
@@ -128,12 +138,48 @@ class NativeInfo:
         )
 
 
+def _gpu_share(value: object, addr: int, length: int, where: str) -> GpuShare:
+    """``{"dev"}`` plus ``"ipc"`` and ``"base"``, or ``"vmm"``: chunks that, side by side, cover the region."""
+    c = _as_object(value, where)
+    device = _req_uint(c, "dev", where, bound=1024)
+    if "ipc" in c and "vmm" in c:
+        raise MalformedJsonError(f"{where}: both ipc and vmm")
+    if "ipc" in c:
+        handle = _req_str(c, "ipc", where)
+        if len(handle) != 128 or any(ch not in "0123456789abcdef" for ch in handle):
+            raise MalformedJsonError(f"{where}.ipc: not a 64-byte hex handle")
+        return GpuShare(device, ipc=handle, base=_req_uint(c, "base", where))
+    if "vmm" not in c:
+        return GpuShare(device)
+    items = _req_list(c, "vmm", where)
+    if not 0 < len(items) <= MAX_GPU_CHUNKS:
+        raise MalformedJsonError(f"{where}.vmm: {len(items)} chunks (1 to {MAX_GPU_CHUNKS})")
+    chunks = []
+    for i, item in enumerate(items):
+        if (not isinstance(item, list) or len(item) != 3
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in item)):
+            raise MalformedJsonError(f"{where}.vmm[{i}]: not [base, size, fd]")
+        base, size, fd = item
+        if size == 0 or base + size > _U64 or fd >= 1 << 31:
+            raise MalformedJsonError(f"{where}.vmm[{i}]: out of range")
+        if chunks and base != chunks[-1][0] + chunks[-1][1]:
+            raise MalformedJsonError(f"{where}.vmm[{i}]: not right after the chunk before")
+        chunks.append((base, size, fd))
+    if chunks[0][0] > addr or chunks[-1][0] + chunks[-1][1] < addr + length:
+        raise MalformedJsonError(f"{where}.vmm: the chunks do not cover the region")
+    return GpuShare(device, vmm=tuple(chunks))
+
+
 def _region_json(r: RegionDesc) -> dict[str, Any]:
     out = {"addr": r.addr, "length": r.length, "key": r.key}
     if r.slot >= 0:
         out["slot"], out["gen"] = r.slot, r.gen
     if r.cuda is not None:
-        out["cuda"] = {"dev": r.cuda[0], "ipc": r.cuda[1], "base": r.cuda[2]}
+        out["cuda"] = {"dev": r.cuda.device}
+        if r.cuda.ipc:
+            out["cuda"].update(ipc=r.cuda.ipc, base=r.cuda.base)
+        if r.cuda.vmm:
+            out["cuda"]["vmm"] = [list(chunk) for chunk in r.cuda.vmm]
     if r.shm is not None:
         out["shm"] = {"fd": r.shm[0], "size": r.shm[1]}
     return out

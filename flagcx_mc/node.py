@@ -27,8 +27,9 @@ GUARD_VALUE = 0xA5
 
 
 class _Region:
-    def __init__(self, size: int, device: Optional[int] = None) -> None:
-        self.buf = HostBuffer(size + 2 * GUARD_BYTES) if device is None else DeviceBuffer(size + 2 * GUARD_BYTES, device)
+    def __init__(self, size: int, device: Optional[int] = None, vmm_chunk: int = 0, shareable: bool = True) -> None:
+        self.buf = (HostBuffer(size + 2 * GUARD_BYTES) if device is None
+                    else DeviceBuffer(size + 2 * GUARD_BYTES, device, vmm_chunk, shareable))
         self.buf.fill(GUARD_VALUE, 0, GUARD_BYTES)
         self.buf.fill(GUARD_VALUE, GUARD_BYTES + size, GUARD_BYTES)
         self.addr = self.buf.addr + GUARD_BYTES
@@ -68,9 +69,11 @@ class _Node:
         session = f"{host}:{self.engine.get_rpc_port()}" if metadata_server == "P2PHANDSHAKE" else host
         return {"session": session, "pid": os.getpid(), "regions": [[r.addr, r.size] for r in self.regions]}
 
-    def add_region(self, size: int, register: bool = True, device: Optional[int] = None) -> dict:
-        """A region of host memory, or of GPU memory on ``device``, between guard bytes."""
-        region = _Region(size, device)
+    def add_region(self, size: int, register: bool = True, device: Optional[int] = None, vmm_chunk: int = 0,
+                   shareable: bool = True) -> dict:
+        """A region of host memory, or of GPU memory on ``device`` (VMM memory in chunks of
+        ``vmm_chunk`` bytes if > 0, see DeviceBuffer), between guard bytes."""
+        region = _Region(size, device, vmm_chunk, shareable)
         if register:
             rc = self.engine.register_memory(region.addr, size)
             if rc != 0:
@@ -84,6 +87,10 @@ class _Node:
 
     def unregister(self, region: int) -> dict:
         return {"rc": self.engine.unregister_memory(self.regions[region].addr)}
+
+    def register(self, region: int) -> dict:
+        r = self.regions[region]
+        return {"rc": self.engine.register_memory(r.addr, r.size)}
 
     def fill(self, region: int, offset: int = 0, length: Optional[int] = None) -> dict:
         r = self.regions[region]
@@ -129,7 +136,7 @@ class _Node:
         return {}
 
 
-_COMMANDS = frozenset({"init", "add_region", "region_info", "unregister", "fill", "set", "digest", "count_byte", "guards", "transfer",
+_COMMANDS = frozenset({"init", "add_region", "region_info", "unregister", "register", "fill", "set", "digest", "count_byte", "guards", "transfer",
                        "stats", "exit"})
 
 

@@ -189,11 +189,10 @@ def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
             except errors.FlagcxMcError as exc:  # then process_vm_writev serves it
                 log.info("cannot map shared region %#x of %s: %s", r.addr, desc.name, exc)
         if r.cuda is not None:
-            device, handle, alloc_base = r.cuda
             try:
-                peer.set_region_ipc(r.addr, device, bytes.fromhex(handle), alloc_base)
+                peer.set_region_gpu(r.addr, r.cuda)
             except errors.FlagcxMcError as exc:  # that region then goes over TCP
-                log.warning("cannot map GPU region %#x of %s with CUDA IPC: %s", r.addr, desc.name, exc)
+                log.warning("cannot map GPU region %#x of %s here: %s", r.addr, desc.name, exc)
 
 
 def _regions(desc: SegmentDesc) -> List[Tuple[int, int, int]]:

@@ -19,7 +19,7 @@ from flagcx_mc.handshake.codec import (
     encode_message,
     max_length_from_env,
 )
-from flagcx_mc.metadata import BufferDesc, NativeInfo, RegionDesc, SegmentDesc, now_timestamp
+from flagcx_mc.metadata import BufferDesc, GpuShare, NativeInfo, RegionDesc, SegmentDesc, now_timestamp
 
 
 def raw_frame(type_byte: int, body: bytes, length: int | None = None) -> bytes:
@@ -202,7 +202,17 @@ def test_fuzz_decoder_raises_only_protocol_errors(chunks):
 NATIVE = NativeInfo(
     version=1,
     data_port=16011,
-    regions=(RegionDesc(0x1000, 4096, 7), RegionDesc(2**63, 2**63, 2**32 - 1)),
+    regions=(
+        RegionDesc(0x1000, 4096, 7),
+        RegionDesc(2**63, 2**63, 2**32 - 1),
+        # GPU regions: a legacy IPC handle; VMM chunks covering a region that starts inside the
+        # first; GPU memory that cannot be shared
+        RegionDesc(0x7F00_0000_0000, 1 << 20, 8, cuda=GpuShare(0, ipc="ab" * 64, base=0x7F00_0000_0000)),
+        RegionDesc(0x7E00_0010_0000, 40 << 20, 9,
+                   cuda=GpuShare(1, vmm=((0x7E00_0000_0000, 20 << 20, 31), (0x7E00_0140_0000, 20 << 20, 32),
+                                         (0x7E00_0280_0000, 20 << 20, 33)))),
+        RegionDesc(0x7D00_0000_0000, 4096, 10, cuda=GpuShare(2)),
+    ),
     boot_id="3f1c-boot",
     pid=4242,
 )
@@ -308,6 +318,24 @@ BAD_DESCRIPTORS = {
     "region-length-str": (("flagcx_mc", "regions", 0, "length"), "4096"),
     "region-overflow": (("flagcx_mc", "regions", 1, "length"), 2**63 + 1),
     "region-not-object": (("flagcx_mc", "regions", 0), 3),
+    "gpu-no-device": (("flagcx_mc", "regions", 4, "cuda", "dev"), _DELETE),
+    "gpu-device-big": (("flagcx_mc", "regions", 4, "cuda", "dev"), 5000),
+    "gpu-ipc-short": (("flagcx_mc", "regions", 2, "cuda", "ipc"), "ab" * 32),
+    "gpu-ipc-not-hex": (("flagcx_mc", "regions", 2, "cuda", "ipc"), "zz" * 64),
+    "gpu-ipc-no-base": (("flagcx_mc", "regions", 2, "cuda", "base"), _DELETE),
+    "gpu-ipc-and-vmm": (("flagcx_mc", "regions", 2, "cuda", "vmm"), [[0x7F00_0000_0000, 1 << 20, 3]]),
+    "gpu-vmm-empty": (("flagcx_mc", "regions", 3, "cuda", "vmm"), []),
+    "gpu-vmm-not-list": (("flagcx_mc", "regions", 3, "cuda", "vmm"), {"base": 1}),
+    "gpu-vmm-pair": (("flagcx_mc", "regions", 3, "cuda", "vmm", 0), [0x7E00_0000_0000, 20 << 20]),
+    "gpu-vmm-bool": (("flagcx_mc", "regions", 3, "cuda", "vmm", 0, 2), True),
+    "gpu-vmm-fd-big": (("flagcx_mc", "regions", 3, "cuda", "vmm", 0, 2), 2**31),
+    "gpu-vmm-zero-size": (("flagcx_mc", "regions", 3, "cuda", "vmm", 1, 1), 0),
+    "gpu-vmm-gap": (("flagcx_mc", "regions", 3, "cuda", "vmm", 1, 0), 0x7E00_0140_1000),
+    "gpu-vmm-short": (("flagcx_mc", "regions", 3, "cuda", "vmm", 2, 1), 512 << 10),
+    "gpu-vmm-starts-late": (("flagcx_mc", "regions", 3, "cuda", "vmm", 0),
+                            [0x7E00_0020_0000, (20 << 20) - (2 << 20), 31]),
+    "gpu-vmm-too-many": (("flagcx_mc", "regions", 3, "cuda", "vmm"),
+                         [[0x7E00_0000_0000 + i * 4096, 4096, 3] for i in range(8193)]),
 }
 
 
@@ -322,6 +350,14 @@ def test_descriptor_validation(case):
 def test_descriptor_must_be_object(bad):
     with pytest.raises(MalformedJsonError):
         SegmentDesc.from_json_dict(bad)
+
+
+def test_gpu_regions_round_trip_with_how_to_map_them():
+    regions = SegmentDesc.from_json_dict(SEG.to_json_dict()).native.regions
+    assert regions[2].cuda == GpuShare(0, ipc="ab" * 64, base=0x7F00_0000_0000)
+    assert [chunk[2] for chunk in regions[3].cuda.vmm] == [31, 32, 33]
+    assert regions[4].cuda == GpuShare(2) and regions[0].cuda is None
+    assert SEG.to_json_dict()["flagcx_mc"]["regions"][4]["cuda"] == {"dev": 2}
 
 
 def test_region_edges_accepted():

@@ -187,13 +187,96 @@ def test_prefill_on_one_gpu_decode_on_another(transport, size):
         src.close()
 
 
-def test_vmm_memory_from_torch_expandable_segments_moves_through_staging():
-    """Memory from cuMemCreate (torch's expandable segments) has no CUDA IPC handle: the region is
-    still registered, the reason is logged, and a same-host peer moves its bytes through the
-    pinned-staging TCP path instead of failing."""
+VMM_CHUNK = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def vmm_node():
+    """A node whose GPU regions are VMM memory in 2 MiB chunks: [1] shareable (POSIX fd handles),
+    [2] not; both start a guard's width into their first chunk and span a dozen chunks."""
+    node = NodeProcess(regions=[4096])
+    node.call("add_region", size=24 << 20, device=0, vmm_chunk=VMM_CHUNK, shareable=True)
+    node.call("add_region", size=24 << 20, device=0, vmm_chunk=VMM_CHUNK, shareable=False)
+    yield node
+    node.close()
+
+
+@pytest.mark.parametrize("region,same_host", [(1, True), (2, False)], ids=["shareable", "not-shareable"])
+@pytest.mark.parametrize("local_kind", ["gpu", "host"])
+def test_vmm_memory_in_many_chunks_moves_every_direction(vmm_node, region, same_host, local_kind):
+    """Memory made like torch's expandable segments registers as one region although
+    cuMemGetAddressRange reports only the chunk holding a pointer.  A same-host peer maps
+    shareable chunks (their file descriptors, taken with pidfd_getfd) and copies device to
+    device: the target's data server sees none of the bytes.  Chunks that cannot be shared still
+    move, through staging over TCP, never by process_vm_writev into GPU addresses."""
+    node, size = vmm_node, 24 << 20
+    remote = _region_addr(node, region)
+    eng = TransferEngine(transfer_timeout=30.0, transport="auto")
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    local = DeviceBuffer(size, 0) if local_kind == "gpu" else HostBuffer(size)
+    try:
+        assert eng.register_memory(local.addr, size) == 0
+        before = node.call("stats")
+        digest = local.fill_random(0, size)
+        assert eng.transfer_sync_write(node.session, local.addr, remote, size) == 0
+        assert node.call("digest", region=region, offset=0, length=size)["digest"] == digest
+        # scattered 64 KiB blocks, several straddling chunk boundaries
+        offsets = [k * VMM_CHUNK - 32768 for k in range(1, 12)]
+        digest = local.fill_random(0, size)
+        assert eng.batch_transfer_sync_write(node.session, [local.addr + o for o in offsets],
+                                             [remote + o for o in offsets], [65536] * len(offsets)) == 0
+        for o in offsets:
+            assert node.call("digest", region=region, offset=o, length=65536)["digest"] == local.digest(o, 65536)
+        digest = node.call("fill", region=region, offset=0, length=size)["digest"]
+        local.fill(0, 0, size)
+        assert eng.transfer_sync_read(node.session, local.addr, remote, size) == 0
+        assert local.digest(0, size) == digest
+        assert node.call("guards")["intact"]
+        after = node.call("stats")
+        moved_by_server = (after["bytes_served_in"] - before["bytes_served_in"],
+                           after["bytes_served_out"] - before["bytes_served_out"])
+        assert moved_by_server == ((0, 0) if same_host else (size + 65536 * len(offsets), size))
+    finally:
+        eng.close()
+        local.close()
+
+
+def test_vmm_region_unregistered_and_registered_again_while_mapped():
+    """A peer that mapped a VMM region's chunks writes nothing into it once it is unregistered
+    (the call fails, the bytes stay), and maps it afresh when it is registered again."""
+    node = NodeProcess(regions=[4096])
+    eng = TransferEngine(transfer_timeout=30.0, transport="auto")
+    src = DeviceBuffer(8 << 20, 0)
+    try:
+        node.call("add_region", size=8 << 20, device=0, vmm_chunk=VMM_CHUNK)
+        remote = _region_addr(node, 1)
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(src.addr, 8 << 20) == 0
+        digest = src.fill_random()
+        assert eng.transfer_sync_write(node.session, src.addr, remote, 8 << 20) == 0
+        assert node.call("digest", region=1)["digest"] == digest
+        assert node.call("unregister", region=1)["rc"] == 0
+        src.fill_random()
+        assert eng.transfer_sync_write(node.session, src.addr, remote, 8 << 20) < 0
+        assert node.call("digest", region=1)["digest"] == digest
+        assert node.call("register", region=1)["rc"] == 0
+        digest = src.fill_random()
+        assert eng.transfer_sync_write(node.session, src.addr, remote, 8 << 20) == 0
+        assert node.call("digest", region=1)["digest"] == digest
+        assert node.call("stats")["bytes_served_in"] == 0  # both writes that landed were device copies
+    finally:
+        eng.close()
+        node.close()
+        src.close()
+
+
+def test_torch_expandable_segments_register_whole_and_move_same_host():
+    """A tensor of torch's expandable segments spans several 20 MiB chunks: it registers as one
+    region, and a same-host peer maps its chunks where torch made them shareable (POSIX file
+    descriptors; the target's data server then sees no byte), else stages them over TCP."""
     pytest.importorskip("torch")  # the child allocates the VMM memory through torch
 
-    size = 8 << 20
+    size = 64 << 20
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gpu_vmm_child.py"), str(size)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -208,7 +291,9 @@ def test_vmm_memory_from_torch_expandable_segments_moves_through_staging():
         assert eng.transfer_sync_write(info["session"], src.addr, info["addr"], size) == 0
         child.stdin.write("\n")
         child.stdin.flush()
-        assert child.stdout.readline().strip() == digest
+        seen = json.loads(child.stdout.readline())
+        assert seen["sha256"] == digest
+        assert seen["served_in"] == (0 if info["posix_fd"] else size)
         src.fill(0, 0, size)
         assert eng.transfer_sync_read(info["session"], src.addr, info["addr"], size) == 0
         assert src.digest(0, size) == digest

@@ -421,6 +421,24 @@ typedef int (*cu_stream_create_fn)(void **, unsigned);
 typedef int (*cu_stream_fn)(void *);
 typedef int (*cu_copy_async_fn)(uint64_t, uint64_t, size_t, void *);
 typedef int (*cu_peer_async_fn)(uint64_t, void *, uint64_t, void *, size_t, void *);
+/* VMM (cuMemCreate) allocations, laid out like CUmemAllocationProp and CUmemAccessDesc. */
+typedef struct {
+    int type, requested_handle_types;
+    int location_type, location_id;
+    void *win32_metadata;
+    unsigned char compression, gpu_direct_rdma;
+    unsigned short usage;
+    unsigned char reserved[4];
+} cu_alloc_prop;
+typedef struct {
+    int location_type, location_id, flags;
+} cu_access_desc;
+typedef int (*cu_mem_create_fn)(unsigned long long *, size_t, const cu_alloc_prop *, unsigned long long);
+typedef int (*cu_mem_release_fn)(unsigned long long);
+typedef int (*cu_mem_reserve_fn)(uint64_t *, size_t, size_t, uint64_t, unsigned long long);
+typedef int (*cu_mem_range_fn)(uint64_t, size_t);
+typedef int (*cu_mem_map_fn)(uint64_t, size_t, size_t, unsigned long long, unsigned long long);
+typedef int (*cu_mem_set_access_fn)(uint64_t, size_t, const cu_access_desc *, size_t);
 
 static struct {
     pthread_once_t once;
@@ -439,6 +457,12 @@ static struct {
     cu_stream_fn stream_destroy, stream_sync;
     cu_copy_async_fn copy_async;
     cu_peer_async_fn peer_async;
+    cu_mem_create_fn mem_create; /* optional: VMM allocations */
+    cu_mem_release_fn mem_release;
+    cu_mem_reserve_fn mem_reserve;
+    cu_mem_range_fn mem_address_free, mem_unmap;
+    cu_mem_map_fn mem_map;
+    cu_mem_set_access_fn mem_set_access;
 } cu = {.once = PTHREAD_ONCE_INIT};
 
 static void cu_load(void)
@@ -463,6 +487,13 @@ static void cu_load(void)
     cu.stream_sync = (cu_stream_fn)dlsym(h, "cuStreamSynchronize");
     cu.copy_async = (cu_copy_async_fn)dlsym(h, "cuMemcpyAsync");
     cu.peer_async = (cu_peer_async_fn)dlsym(h, "cuMemcpyPeerAsync");
+    cu.mem_create = (cu_mem_create_fn)dlsym(h, "cuMemCreate");
+    cu.mem_release = (cu_mem_release_fn)dlsym(h, "cuMemRelease");
+    cu.mem_reserve = (cu_mem_reserve_fn)dlsym(h, "cuMemAddressReserve");
+    cu.mem_address_free = (cu_mem_range_fn)dlsym(h, "cuMemAddressFree");
+    cu.mem_unmap = (cu_mem_range_fn)dlsym(h, "cuMemUnmap");
+    cu.mem_map = (cu_mem_map_fn)dlsym(h, "cuMemMap");
+    cu.mem_set_access = (cu_mem_set_access_fn)dlsym(h, "cuMemSetAccess");
     if (!init || !cu.count || !cu.device_get || !cu.retain || !cu.set_current || !cu.sync || !cu.alloc ||
         !cu.free || !cu.copy || !cu.peer || !cu.memset || !cu.stream_create || !cu.stream_destroy ||
         !cu.stream_sync || !cu.copy_async || !cu.peer_async || init(0) != 0)
@@ -526,6 +557,60 @@ int fmc_baseline_cuda_free(int device, uint64_t ptr)
     if (rc < 0)
         return rc;
     return cu.free(ptr) == 0 ? 0 : FMC_ERR_INVALID_ARGUMENT;
+}
+
+/* GPU memory the way torch's expandable segments make it: `size` (a multiple of `chunk`, itself a
+ * multiple of the 2 MiB granularity) of address space backed by one cuMemCreate allocation per
+ * chunk, mapped side by side; shareable: the chunks allow POSIX file descriptor handles. */
+int fmc_baseline_cuda_alloc_vmm(int device, uint64_t size, uint64_t chunk, int shareable, uint64_t *ptr_out)
+{
+    if (size == 0 || chunk == 0 || size % chunk != 0 || chunk % (2u << 20) != 0 || ptr_out == NULL)
+        return FMC_ERR_INVALID_ARGUMENT;
+    int rc = cu_use(device, NULL);
+    if (rc < 0)
+        return rc;
+    if (!cu.mem_create || !cu.mem_release || !cu.mem_reserve || !cu.mem_address_free || !cu.mem_unmap ||
+        !cu.mem_map || !cu.mem_set_access) {
+        fmc_set_error("the CUDA driver lacks the VMM calls");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    uint64_t va = 0, mapped = 0;
+    if (cu.mem_reserve(&va, size, 0, 0, 0) != 0) {
+        fmc_set_error("cuMemAddressReserve of %llu bytes failed", (unsigned long long)size);
+        return FMC_ERR_MEMORY;
+    }
+    cu_alloc_prop prop = {.type = 1 /* PINNED */, .requested_handle_types = shareable ? 1 /* POSIX_FD */ : 0,
+                          .location_type = 1 /* DEVICE */, .location_id = device};
+    for (; mapped < size; mapped += chunk) {
+        unsigned long long h = 0;
+        if (cu.mem_create(&h, chunk, &prop, 0) != 0)
+            break;
+        int bad = cu.mem_map(va + mapped, chunk, 0, h, 0);
+        cu.mem_release(h);
+        if (bad)
+            break;
+    }
+    cu_access_desc access = {1 /* DEVICE */, device, 3 /* READWRITE */};
+    if (mapped < size || cu.mem_set_access(va, size, &access, 1) != 0) {
+        for (uint64_t off = 0; off < mapped; off += chunk)
+            cu.mem_unmap(va + off, chunk);
+        cu.mem_address_free(va, size);
+        fmc_set_error("cannot create and map %llu bytes of VMM memory on device %d", (unsigned long long)size, device);
+        return FMC_ERR_MEMORY;
+    }
+    *ptr_out = va;
+    return 0;
+}
+
+/* Unmap the chunks of [ptr, ptr+size) (each releases its memory) and free the address range. */
+int fmc_baseline_cuda_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk)
+{
+    int rc = cu_use(device, NULL);
+    if (rc < 0 || !cu.mem_unmap || chunk == 0)
+        return rc < 0 ? rc : FMC_ERR_INVALID_ARGUMENT;
+    for (uint64_t off = 0; off < size; off += chunk)
+        cu.mem_unmap(ptr + off, chunk);
+    return size && cu.mem_address_free(ptr, size) != 0 ? FMC_ERR_INVALID_ARGUMENT : 0;
 }
 
 /* Any direction (host or device addresses: unified addressing); returns once the bytes are there. */

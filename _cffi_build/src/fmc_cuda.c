@@ -3,13 +3,18 @@
  * recognised (registering one fails as unmapped memory, never crashes).
  *
  * The data plane never hands device pointers to the kernel: TCP stages GPU bytes through host
- * buffers (cuMemcpy with unified addressing picks the direction), and the same-host path leaves
- * GPU memory to TCP for now. */
+ * buffers (cuMemcpy with unified addressing picks the direction), and the same-host path maps
+ * the peer's GPU memory here (a CUDA IPC handle, or VMM chunks passed as file descriptors) and
+ * copies device to device. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "fmc_internal.h"
 
@@ -21,9 +26,20 @@ typedef struct {
     char reserved[FMC_CUDA_IPC_HANDLE_SIZE];
 } CUipcMemHandle;
 
+typedef unsigned long long CUmemHandle; /* CUmemGenericAllocationHandle */
+typedef struct {
+    int location_type, location_id; /* CUmemLocation */
+    int flags;                      /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
 #define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
 #define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE 10
+#define CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES 14
 #define CU_MEMORYTYPE_DEVICE 2
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
 #define FMC_CUDA_MAX_DEVICES 64
 
 static struct {
@@ -48,6 +64,17 @@ static struct {
     CUresult (*batch_v2)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t, void *);
     CUresult (*batch_v1)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t, size_t *, void *);
     int batch_broken; /* the driver refused a batch once: copy one by one from then on */
+    /* Optional (CUDA 10.2+): virtual memory management, to share cuMemCreate memory. */
+    CUresult (*mem_retain_handle)(CUmemHandle *, void *);
+    CUresult (*mem_release)(CUmemHandle);
+    CUresult (*mem_export)(void *, CUmemHandle, int, unsigned long long);
+    CUresult (*mem_import)(CUmemHandle *, void *, int);
+    CUresult (*mem_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*mem_address_free)(CUdeviceptr, size_t);
+    CUresult (*mem_map)(CUdeviceptr, size_t, size_t, CUmemHandle, unsigned long long);
+    CUresult (*mem_unmap)(CUdeviceptr, size_t);
+    CUresult (*mem_set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    int vmm; /* all of them were found */
     CUcontext ctx[FMC_CUDA_MAX_DEVICES];
     void *stream[FMC_CUDA_MAX_DEVICES];
 } cu;
@@ -85,6 +112,15 @@ static int load(void)
     *(void **)&cu.batch_v2 = dlsym(cu.lib, "cuMemcpyBatchAsync_v2");
     if (!cu.batch_v2)
         *(void **)&cu.batch_v1 = dlsym(cu.lib, "cuMemcpyBatchAsync");
+    const char *vmm_names[] = {"cuMemRetainAllocationHandle", "cuMemRelease", "cuMemExportToShareableHandle",
+                               "cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemAddressFree",
+                               "cuMemMap", "cuMemUnmap", "cuMemSetAccess"};
+    void **vmm_fields[] = {(void **)&cu.mem_retain_handle, (void **)&cu.mem_release, (void **)&cu.mem_export,
+                           (void **)&cu.mem_import, (void **)&cu.mem_reserve, (void **)&cu.mem_address_free,
+                           (void **)&cu.mem_map, (void **)&cu.mem_unmap, (void **)&cu.mem_set_access};
+    cu.vmm = 1;
+    for (size_t i = 0; i < sizeof vmm_names / sizeof *vmm_names; i++)
+        cu.vmm &= (*vmm_fields[i] = dlsym(cu.lib, vmm_names[i])) != NULL;
     return cu.init(0) == 0 ? 0 : -1;
 }
 
@@ -114,21 +150,59 @@ static int use_device(int device)
     return ctx && cu.ctx_set_current(ctx) == 0 ? 0 : -1;
 }
 
-int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
+/* Ordinal of the GPU whose memory holds `addr`, or -1 (host memory, unmapped, no CUDA). */
+static int device_memory_ordinal(uint64_t addr)
 {
-    *device = -1;
-    if (!fmc_cuda_available() || use_device(0) != 0)
-        return 0;
     unsigned int type = 0;
     int ordinal = -1;
     if (cu.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)addr) != 0 ||
         type != CU_MEMORYTYPE_DEVICE ||
         cu.pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)addr) != 0)
+        return -1;
+    return ordinal;
+}
+
+/* 1 for memory from cuMemAlloc (one allocation, a legacy IPC handle), 0 for cuMemCreate memory
+ * (VMM), which may be many allocations ("chunks") mapped side by side. */
+static int legacy_allocation(uint64_t addr)
+{
+    int legacy = 1;
+    if (cu.pointer_get_attribute(&legacy, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, (CUdeviceptr)addr) != 0)
+        return 1; /* an old driver: assume the classic kind */
+    return legacy != 0;
+}
+
+#define FMC_CUDA_MAX_CHUNKS (1 << 16) /* chunks walked in one range */
+
+/* The allocations behind [addr, addr+len) on `device`, in address order: cuMemGetAddressRange
+ * reports only the chunk holding a pointer, so torch's expandable segments (a chunk per 20 MiB)
+ * are walked chunk by chunk.  Calls fn(ctx, base, size) for each; returns the count, or -1 when
+ * a gap, another device's memory or (for cuMemAlloc memory) the allocation's end falls inside. */
+static int walk_chunks(uint64_t addr, uint64_t len, int device, int (*fn)(void *ctx, uint64_t base, uint64_t size),
+                       void *ctx)
+{
+    int legacy = legacy_allocation(addr), n = 0;
+    for (uint64_t q = addr; q < addr + len; n++) {
+        CUdeviceptr base = 0;
+        size_t size = 0;
+        if (n == FMC_CUDA_MAX_CHUNKS || (n > 0 && legacy) || device_memory_ordinal(q) != device ||
+            cu.mem_get_address_range(&base, &size, (CUdeviceptr)q) != 0 || size == 0 || base > q ||
+            base + size <= q || (fn && fn(ctx, base, size) != 0))
+            return -1;
+        q = base + size;
+    }
+    return n;
+}
+
+int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
+{
+    *device = -1;
+    if (!fmc_cuda_available() || use_device(0) != 0)
         return 0;
-    CUdeviceptr base = 0;
-    size_t size = 0;
-    if (use_device(ordinal) != 0 || cu.mem_get_address_range(&base, &size, (CUdeviceptr)addr) != 0 ||
-        addr + len > base + size) {
+    int ordinal = device_memory_ordinal(addr);
+    if (ordinal < 0)
+        return 0;
+    if (use_device(ordinal) != 0 || walk_chunks(addr, len, ordinal, NULL, NULL) < 0) {
         fmc_set_error("[0x%llx, +%llu) runs past the end of its GPU allocation", (unsigned long long)addr,
                       (unsigned long long)len);
         return -1;
@@ -292,8 +366,198 @@ int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped)
     return FMC_OK;
 }
 
-void fmc_cuda_ipc_close(uint64_t mapped, int device)
+/* ------------------------------------------------------------------ VMM sharing (same host) */
+
+/* Memory from cuMemCreate has no legacy IPC handle.  Each chunk that allows POSIX file
+ * descriptors is exported as one; the target keeps them open while the region is registered,
+ * and a same-host peer takes copies with pidfd_getfd (the same permission process_vm_writev
+ * needs), imports them and maps the chunks side by side in a range of its own. */
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+typedef struct {
+    int cap, n;
+    uint64_t *bases, *sizes;
+    int32_t *fds;
+} export_ctx;
+
+static int export_chunk(void *arg, uint64_t base, uint64_t size)
 {
-    if (mapped && use_device(device) == 0)
+    export_ctx *x = arg;
+    if (x->n == x->cap) {
+        fmc_set_error("more than %d chunks", x->cap);
+        return -1;
+    }
+    uint64_t types = 0;
+    if (cu.pointer_get_attribute(&types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, (CUdeviceptr)base) == 0 &&
+        !(types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+        fmc_set_error("its chunk at 0x%llx was not created shareable as a POSIX file descriptor",
+                      (unsigned long long)base);
+        return -1;
+    }
+    CUmemHandle h = 0;
+    int fd = -1;
+    if (cu.mem_retain_handle(&h, (void *)(uintptr_t)base) != 0) {
+        fmc_set_error("cuMemRetainAllocationHandle refused its chunk at 0x%llx", (unsigned long long)base);
+        return -1;
+    }
+    CUresult r = cu.mem_export(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    cu.mem_release(h);
+    if (r != 0 || fd < 0) {
+        fmc_set_error("cuMemExportToShareableHandle refused its chunk at 0x%llx (error %d)", (unsigned long long)base, r);
+        return -1;
+    }
+    x->bases[x->n] = base;
+    x->sizes[x->n] = size;
+    x->fds[x->n++] = fd;
+    return 0;
+}
+
+/* Enough descriptors for many chunks: a large KV cache in 20 MiB chunks needs thousands. */
+static void raise_fd_limit(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+}
+
+int fmc_cuda_vmm_export(uint64_t addr, uint64_t len, int cap, uint64_t *bases, uint64_t *sizes, int32_t *fds)
+{
+    int dev = -1;
+    if (fmc_cuda_device_of(addr, len, &dev) != 1)
+        return FMC_ERR_INVALID_ARGUMENT;
+    if (!cu.vmm || legacy_allocation(addr)) {
+        fmc_set_error("not VMM memory, or the driver lacks the VMM calls");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    raise_fd_limit();
+    export_ctx x = {.cap = cap, .bases = bases, .sizes = sizes, .fds = fds};
+    if (use_device(dev) != 0 || walk_chunks(addr, len, dev, export_chunk, &x) < 0) {
+        for (int i = 0; i < x.n; i++)
+            close(fds[i]);
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    return x.n;
+}
+
+/* VMM ranges mapped here from peers' chunks (fmc_cuda_peer_unmap must know which kind it has). */
+typedef struct vmm_import {
+    uint64_t va, span;
+    int n;
+    uint64_t *sizes; /* of its chunks, mapped one after another from va */
+    struct vmm_import *next;
+} vmm_import;
+static vmm_import *imports;
+
+/* Unmap the first `n` chunks (one cuMemUnmap per cuMemMap) and give the range back. */
+static void unmap_range(uint64_t va, int n, const uint64_t *sizes, uint64_t span)
+{
+    uint64_t at = va;
+    for (int i = 0; i < n; at += sizes[i++])
+        cu.mem_unmap((CUdeviceptr)at, (size_t)sizes[i]);
+    cu.mem_address_free((CUdeviceptr)va, (size_t)span);
+}
+
+int fmc_cuda_vmm_import(int pid, int n, const uint64_t *bases, const uint64_t *sizes, const int32_t *fds, int device,
+                        uint64_t *mapped)
+{
+    if (!fmc_cuda_available() || !cu.vmm || use_device(device) != 0) {
+        fmc_set_error("no usable CUDA VMM calls for device %d", device);
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    }
+    uint64_t span = 0;
+    for (int i = 0; i < n; i++) {
+        if (sizes[i] == 0 || (i > 0 && bases[i] != bases[i - 1] + sizes[i - 1]) || span + sizes[i] < span) {
+            fmc_set_error("the peer's GPU chunks are not one contiguous range");
+            return FMC_ERR_INVALID_ARGUMENT;
+        }
+        span += sizes[i];
+    }
+    vmm_import *m = n > 0 ? calloc(1, sizeof *m) : NULL;
+    uint64_t *kept = m ? malloc(sizeof *kept * (size_t)n) : NULL;
+    if (!kept) {
+        free(m);
+        fmc_set_error("no GPU chunks to map, or out of memory");
+        return n > 0 ? FMC_ERR_MEMORY : FMC_ERR_INVALID_ARGUMENT;
+    }
+    memcpy(kept, sizes, sizeof *kept * (size_t)n);
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    CUdeviceptr va = 0;
+    int rc = FMC_OK, done = 0;
+    if (pidfd < 0) {
+        fmc_set_error("pidfd_open(%d): %s", pid, strerror(errno));
+        rc = FMC_ERR_NOT_IMPLEMENTED;
+    } else if (cu.mem_reserve(&va, (size_t)span, 0, 0, 0) != 0) {
+        fmc_set_error("cannot reserve %llu bytes of GPU address space", (unsigned long long)span);
+        rc = FMC_ERR_MEMORY;
+    }
+    for (uint64_t at = va; rc == FMC_OK && done < n; at += sizes[done++]) {
+        int fd = (int)syscall(SYS_pidfd_getfd, pidfd, fds[done], 0);
+        if (fd < 0) {
+            fmc_set_error("pidfd_getfd(pid %d, fd %d): %s", pid, fds[done], strerror(errno));
+            rc = FMC_ERR_NOT_IMPLEMENTED;
+            break;
+        }
+        CUmemHandle h = 0;
+        CUresult r = cu.mem_import(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        close(fd);
+        if (r == 0) {
+            r = cu.mem_map((CUdeviceptr)at, (size_t)sizes[done], 0, h, 0);
+            cu.mem_release(h); /* the mapping holds the memory now */
+        }
+        if (r != 0) {
+            fmc_set_error("cannot import and map the peer's GPU chunk %d (error %d)", done, r);
+            rc = FMC_ERR_DEVICE_NOT_FOUND;
+        }
+    }
+    if (pidfd >= 0)
+        close(pidfd);
+    CUmemAccessDesc access = {CU_MEM_LOCATION_TYPE_DEVICE, device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    if (rc == FMC_OK && cu.mem_set_access(va, (size_t)span, &access, 1) != 0) {
+        fmc_set_error("cannot make the peer's GPU chunks accessible on device %d", device);
+        rc = FMC_ERR_DEVICE_NOT_FOUND;
+    }
+    if (rc != FMC_OK) {
+        if (va)
+            unmap_range(va, done, sizes, span);
+        free(kept);
+        free(m);
+        return rc;
+    }
+    *m = (vmm_import){.va = va, .span = span, .n = n, .sizes = kept};
+    pthread_mutex_lock(&cu_mu);
+    m->next = imports;
+    imports = m;
+    pthread_mutex_unlock(&cu_mu);
+    *mapped = va;
+    return FMC_OK;
+}
+
+void fmc_cuda_peer_unmap(uint64_t mapped, int device)
+{
+    if (!mapped || use_device(device) != 0)
+        return;
+    pthread_mutex_lock(&cu_mu);
+    vmm_import **pp = &imports, *m = NULL;
+    while (*pp && (*pp)->va != mapped)
+        pp = &(*pp)->next;
+    if (*pp) {
+        m = *pp;
+        *pp = m->next;
+    }
+    pthread_mutex_unlock(&cu_mu);
+    if (m) {
+        unmap_range(m->va, m->n, m->sizes, m->span);
+        free(m->sizes);
+        free(m);
+    } else {
         cu.ipc_close_mem_handle((CUdeviceptr)mapped);
+    }
 }

@@ -268,20 +268,83 @@ int fmc_unregister(fmc_engine *e, uint64_t addr)
     }
     int rc = fmc_sh_slot_revoke(e, r); /* and no same-host peer is copying into it */
     pthread_mutex_unlock(&e->mu);
-    free(r);
+    fmc_region_free(r);
     return rc;
+}
+
+/* The GPU ordinal of the region starting at addr (-1: host memory or no such region), and its
+ * length and key. */
+static int gpu_region(fmc_engine *e, uint64_t addr, uint64_t *len, uint32_t *key)
+{
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
+    int dev = r && r->addr == addr ? r->cuda_dev : -1;
+    if (dev >= 0) {
+        *len = r->len;
+        *key = r->key;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return dev;
 }
 
 int fmc_region_cuda_ipc(fmc_engine *e, uint64_t addr, uint8_t *handle64, uint64_t *alloc_base, int *device)
 {
-    pthread_mutex_lock(&e->mu);
-    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
-    int dev = r ? r->cuda_dev : -1;
-    pthread_mutex_unlock(&e->mu);
-    if (dev < 0)
+    uint64_t len;
+    uint32_t key;
+    if ((*device = gpu_region(e, addr, &len, &key)) < 0)
         return 0;
     int rc = fmc_cuda_ipc_export(addr, handle64, alloc_base, device);
     return rc == FMC_OK ? 1 : rc;
+}
+
+/* Exported on first use (thousands of chunks take a while: outside the lock), then kept with the
+ * region, whose unregistration closes the descriptors. */
+int fmc_region_cuda_vmm(fmc_engine *e, uint64_t addr, uint64_t *bases, uint64_t *sizes, int32_t *fds, int cap,
+                        int *device)
+{
+    uint64_t len;
+    uint32_t key;
+    if ((*device = gpu_region(e, addr, &len, &key)) < 0)
+        return 0;
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
+    int have = r && r->key == key && r->vmm;
+    pthread_mutex_unlock(&e->mu);
+    if (!have) {
+        fmc_vmm_export *x = malloc(sizeof *x);
+        if (!x)
+            return FMC_ERR_MEMORY;
+        x->n = fmc_cuda_vmm_export(addr, len, FMC_CUDA_VMM_MAX_CHUNKS, x->base, x->size, x->fd);
+        if (x->n < 0) {
+            int rc = x->n;
+            free(x);
+            return rc;
+        }
+        pthread_mutex_lock(&e->mu);
+        r = fmc_registry_find(&e->reg, addr, 1);
+        if (r && r->key == key && !r->vmm) {
+            r->vmm = x;
+            x = NULL;
+        }
+        pthread_mutex_unlock(&e->mu);
+        if (x) { /* raced with another export, or unregistered meanwhile */
+            for (int i = 0; i < x->n; i++)
+                close(x->fd[i]);
+            free(x);
+        }
+    }
+    pthread_mutex_lock(&e->mu);
+    r = fmc_registry_find(&e->reg, addr, 1);
+    int n = r && r->key == key && r->vmm ? r->vmm->n : 0;
+    for (int i = 0; i < n && n <= cap; i++) {
+        bases[i] = r->vmm->base[i];
+        sizes[i] = r->vmm->size[i];
+        fds[i] = r->vmm->fd[i];
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (n == 0)
+        fmc_set_error("the region at 0x%llx was unregistered", (unsigned long long)addr);
+    return n ? n : FMC_ERR_ADDRESS_NOT_REGISTERED;
 }
 
 int fmc_region_slots(fmc_engine *e, int32_t *slots, uint32_t *gens, int cap)

@@ -89,7 +89,15 @@ int fmc_auth_client(int fd, const fmc_secret *s, uint32_t flags, uint32_t *caps)
 #define FMC_CUDA_IPC_HANDLE_SIZE 64
 int fmc_cuda_ipc_export(uint64_t addr, uint8_t *handle, uint64_t *alloc_base, int *device);
 int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped);
-void fmc_cuda_ipc_close(uint64_t mapped, int device);
+/* VMM (cuMemCreate) memory: export the chunks behind [addr, addr+len) as POSIX fds (count, or
+ * < 0 with the reason in fmc_last_error); map a same-host peer's chunks here, taking its fds
+ * with pidfd_getfd. */
+#define FMC_CUDA_VMM_MAX_CHUNKS 8192
+int fmc_cuda_vmm_export(uint64_t addr, uint64_t len, int cap, uint64_t *bases, uint64_t *sizes, int32_t *fds);
+int fmc_cuda_vmm_import(int pid, int n, const uint64_t *bases, const uint64_t *sizes, const int32_t *fds, int device,
+                        uint64_t *mapped);
+/* Undo fmc_cuda_ipc_open or fmc_cuda_vmm_import. */
+void fmc_cuda_peer_unmap(uint64_t mapped, int device);
 int fmc_cuda_available(void);
 /* 1 and *device if [addr, addr+len) is GPU memory; 0 if not; -1 if it overruns its allocation. */
 int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device);
@@ -132,7 +140,15 @@ typedef struct fmc_region {
     int cuda_dev;     /* GPU ordinal of device memory, -1 for host memory */
     int sh_slot;      /* same-host control slot, -1 if none */
     uint32_t sh_gen;  /* generation of that slot */
+    struct fmc_vmm_export *vmm; /* GPU VMM memory exported for same-host peers (NULL: not yet) */
 } fmc_region;
+
+/* A region's VMM chunks as file descriptors, open while it is registered (fmc_region_free). */
+typedef struct fmc_vmm_export {
+    int n;
+    uint64_t base[FMC_CUDA_VMM_MAX_CHUNKS], size[FMC_CUDA_VMM_MAX_CHUNKS];
+    int32_t fd[FMC_CUDA_VMM_MAX_CHUNKS];
+} fmc_vmm_export;
 
 typedef struct {
     fmc_region **items; /* sorted by addr, non-overlapping */
@@ -156,6 +172,7 @@ fmc_region *fmc_registry_find(fmc_registry *reg, uint64_t addr, uint64_t len);
 int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t key, int writable);
 fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr);
 void fmc_registry_free(fmc_registry *reg);
+void fmc_region_free(fmc_region *r); /* and what it owns */
 int fmc_check_mapped(uint64_t addr, uint64_t len);
 /* 1 if every page of [addr, addr+len) is mapped writable (per /proc/self/maps), else 0. */
 int fmc_range_writable(uint64_t addr, uint64_t len);

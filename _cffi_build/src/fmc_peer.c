@@ -880,12 +880,13 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
         dv[i] = -1;
     }
     pthread_mutex_lock(&p->mu);
-    /* Shared and CUDA IPC mappings of regions that are still there carry over; the others go. */
+    /* Shared and GPU mappings of regions that are still there carry over; the others go (a
+     * region registered anew, even at the same place, has a new key and new memory behind it). */
     for (int j = 0; j < p->r_count; j++) {
         if (p->r_shm_mapped && p->r_shm_mapped[j]) {
             int kept = 0;
             for (int i = 0; i < n && !kept; i++)
-                if (a[i] == p->r_addr[j] && l[i] == p->r_len[j]) {
+                if (a[i] == p->r_addr[j] && l[i] == p->r_len[j] && k[i] == p->r_key[j]) {
                     sm[i] = p->r_shm_mapped[j];
                     kept = 1;
                 }
@@ -896,7 +897,7 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
             continue;
         int kept = 0;
         for (int i = 0; i < n && !kept; i++) {
-            if (a[i] == p->r_addr[j] && l[i] == p->r_len[j]) {
+            if (a[i] == p->r_addr[j] && l[i] == p->r_len[j] && k[i] == p->r_key[j]) {
                 dv[i] = p->r_dev[j];
                 ib[i] = p->r_ipc_base[j];
                 im[i] = p->r_ipc_mapped[j];
@@ -904,7 +905,7 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
             }
         }
         if (!kept)
-            fmc_cuda_ipc_close(p->r_ipc_mapped[j], p->r_dev[j]);
+            fmc_cuda_peer_unmap(p->r_ipc_mapped[j], p->r_dev[j]);
     }
     free(p->r_addr);
     free(p->r_len);
@@ -985,36 +986,78 @@ int fmc_peer_shared_region_count(fmc_peer *p)
     return n;
 }
 
-/* A remote GPU region's CUDA IPC handle: map it here, for same-host copies with cuMemcpy. */
-int fmc_peer_set_region_ipc(fmc_peer *p, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device)
+/* How a remote GPU region can be mapped here: a legacy CUDA IPC handle, or VMM chunks. */
+typedef struct {
+    const uint8_t *handle64; /* NULL: VMM chunks */
+    int n;
+    const uint64_t *bases, *sizes;
+    const int32_t *fds;
+} gpu_share;
+
+/* Map a remote GPU region here for same-host copies with cuMemcpy; `base` is the remote address
+ * the mapping starts at (the allocation's, or the first chunk's).  x NULL: only mark the region
+ * as GPU memory (its bytes then go through staging over TCP). */
+static int map_gpu_region(fmc_peer *p, uint64_t addr, int device, uint64_t base, const gpu_share *x)
 {
     pthread_mutex_lock(&p->mu);
     int i = index_of_locked(p, addr);
-    int have = i >= 0 && p->r_ipc_mapped[i] && p->r_ipc_base[i] == alloc_base && p->r_dev[i] == device;
+    int have = i >= 0 && p->r_ipc_mapped[i] && p->r_ipc_base[i] == base && p->r_dev[i] == device;
     if (i >= 0 && !p->r_ipc_mapped[i])
         p->r_dev[i] = device; /* known to be GPU memory even if we cannot map it: not for process_vm_* */
-    int same_host = p->sh != NULL;
+    int same_host = p->sh != NULL, pid = p->sh_pid;
     pthread_mutex_unlock(&p->mu);
     if (i < 0)
         return FMC_ERR_ADDRESS_NOT_REGISTERED;
-    if (have || !same_host)
+    if (have || !same_host || !x)
         return FMC_OK;
     uint64_t mapped = 0;
-    int rc = fmc_cuda_ipc_open(handle64, device, &mapped);
+    int rc = x->handle64 ? fmc_cuda_ipc_open(x->handle64, device, &mapped)
+                         : fmc_cuda_vmm_import(pid, x->n, x->bases, x->sizes, x->fds, device, &mapped);
     if (rc != FMC_OK)
         return rc;
     pthread_mutex_lock(&p->mu);
     i = index_of_locked(p, addr);
     if (i >= 0 && !p->r_ipc_mapped[i]) {
         p->r_dev[i] = device;
-        p->r_ipc_base[i] = alloc_base;
+        p->r_ipc_base[i] = base;
         p->r_ipc_mapped[i] = mapped;
         mapped = 0;
     }
     pthread_mutex_unlock(&p->mu);
     if (mapped)
-        fmc_cuda_ipc_close(mapped, device); /* lost a race or the region went away */
+        fmc_cuda_peer_unmap(mapped, device); /* lost a race or the region went away */
     return FMC_OK;
+}
+
+int fmc_peer_set_region_ipc(fmc_peer *p, uint64_t addr, const uint8_t *handle64, uint64_t alloc_base, int device)
+{
+    gpu_share x = {.handle64 = handle64};
+    return map_gpu_region(p, addr, device, alloc_base, &x);
+}
+
+int fmc_peer_set_region_device(fmc_peer *p, uint64_t addr, int device)
+{
+    return map_gpu_region(p, addr, device, 0, NULL);
+}
+
+/* The chunks must cover the region: a mapping shorter than the region would let a copy run off
+ * its end here. */
+int fmc_peer_set_region_vmm(fmc_peer *p, uint64_t addr, int device, int n, const uint64_t *bases,
+                            const uint64_t *sizes, const int32_t *fds)
+{
+    pthread_mutex_lock(&p->mu);
+    int i = index_of_locked(p, addr);
+    uint64_t len = i >= 0 ? p->r_len[i] : 0;
+    pthread_mutex_unlock(&p->mu);
+    if (i < 0)
+        return FMC_ERR_ADDRESS_NOT_REGISTERED;
+    uint64_t end = n > 0 ? bases[n - 1] + sizes[n - 1] : 0;
+    if (n <= 0 || n > FMC_CUDA_VMM_MAX_CHUNKS || bases[0] > addr || end < bases[n - 1] || end < addr + len) {
+        fmc_set_error("the peer's GPU chunks do not cover its region at 0x%llx", (unsigned long long)addr);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    gpu_share x = {.n = n, .bases = bases, .sizes = sizes, .fds = fds};
+    return map_gpu_region(p, addr, device, bases[0], &x);
 }
 
 /* Same-host slots of remote regions, by region start address (after fmc_peer_set_regions). */
@@ -1321,7 +1364,7 @@ void fmc_peer_release(fmc_peer *p)
     fmc_sh_peer_release(p);
     for (int i = 0; i < p->r_count; i++) {
         if (p->r_ipc_mapped && p->r_ipc_mapped[i])
-            fmc_cuda_ipc_close(p->r_ipc_mapped[i], p->r_dev[i]);
+            fmc_cuda_peer_unmap(p->r_ipc_mapped[i], p->r_dev[i]);
         if (p->r_shm_mapped && p->r_shm_mapped[i])
             munmap((void *)(uintptr_t)p->r_shm_mapped[i], (size_t)p->r_len[i]);
     }

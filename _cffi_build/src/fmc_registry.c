@@ -88,10 +88,20 @@ fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr)
     return r;
 }
 
+void fmc_region_free(fmc_region *r)
+{
+    if (r && r->vmm) {
+        for (int i = 0; i < r->vmm->n; i++)
+            close(r->vmm->fd[i]);
+        free(r->vmm);
+    }
+    free(r);
+}
+
 void fmc_registry_free(fmc_registry *reg)
 {
     for (int i = 0; i < reg->count; i++)
-        free(reg->items[i]);
+        fmc_region_free(reg->items[i]);
     free(reg->items);
     reg->items = NULL;
     reg->count = reg->cap = 0;
