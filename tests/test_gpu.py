@@ -243,7 +243,12 @@ def test_vmm_memory_in_many_chunks_moves_every_direction(vmm_node, region, same_
 
 def test_vmm_region_unregistered_and_registered_again_while_mapped():
     """A peer that mapped a VMM region's chunks writes nothing into it once it is unregistered
-    (the call fails, the bytes stay), and maps it afresh when it is registered again."""
+    (the call fails, the bytes stay), and maps it afresh when it is registered again.  The
+    target's exported chunk descriptors close with the unregistration."""
+    def driver_fds() -> int:  # exported chunks, like the driver's own handles, read as /dev/nvidiactl
+        fd_dir = f"/proc/{node.pid}/fd"
+        return sum(os.readlink(os.path.join(fd_dir, f)) == "/dev/nvidiactl" for f in os.listdir(fd_dir))
+
     node = NodeProcess(regions=[4096])
     eng = TransferEngine(transfer_timeout=30.0, transport="auto")
     src = DeviceBuffer(8 << 20, 0)
@@ -255,7 +260,9 @@ def test_vmm_region_unregistered_and_registered_again_while_mapped():
         digest = src.fill_random()
         assert eng.transfer_sync_write(node.session, src.addr, remote, 8 << 20) == 0
         assert node.call("digest", region=1)["digest"] == digest
+        exported = driver_fds()
         assert node.call("unregister", region=1)["rc"] == 0
+        assert exported - driver_fds() == 5  # 8 MiB after a guard's width into 2 MiB chunks: 5 chunks
         src.fill_random()
         assert eng.transfer_sync_write(node.session, src.addr, remote, 8 << 20) < 0
         assert node.call("digest", region=1)["digest"] == digest
