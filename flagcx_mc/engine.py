@@ -34,7 +34,7 @@ from .names import TransferNotify, TransferOpcode
 from .netaddr import format_host_port, parse_host_port, rpc_port_range
 from .resolvers import P2PResolver, StoreResolver
 from .sessions import Session, SessionCache
-from .transfer import OP_READ, OP_WRITE, TransferRequest, needs_refresh, opcode_name
+from .transfer import OP_READ, OP_WRITE, SingleTransfer, TransferRequest, needs_refresh, opcode_name
 
 __all__ = ["AsyncTransferEngine", "RemoteDesc", "P2P_HANDSHAKE"]
 
@@ -340,19 +340,22 @@ class AsyncTransferEngine:
         sessions = self._require_sessions()
         if req.count == 0:
             return None
-        started = time.perf_counter()
-        try:
+        with self.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
             session = await sessions.get(target)
             rc, why = await self._in_executor(req.run, session, self._config)
-            if needs_refresh(rc):
-                session = await sessions.refresh(target, session)
-                rc, why = await self._in_executor(req.run, session, self._config)
-            if rc != 0:
-                raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
-            return session  # the core counted it (metrics.py)
-        except BaseException:
-            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, False)
-            raise
+            return await self._settle(target, req, session, rc, why)  # the core counted it (metrics.py)
+
+    async def _settle(self, target: str, req: "TransferRequest | SingleTransfer", session: Session, rc: int,
+                      why: str) -> Session:
+        """A call's first try came back ``rc``: try once more on a refreshed region table when
+        that can help (memory the peer registered since, or a stale address), then raise what is
+        left.  Returns the session the call succeeded on."""
+        if needs_refresh(rc):
+            session = await self._require_sessions().refresh(target, session)
+            rc, why = await self._in_executor(req.run, session, self._config)
+        if rc != 0:
+            raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+        return session
 
     # ------------------------------------------------------------------ asynchronous batches
 

@@ -12,9 +12,11 @@ engine as well.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from ._core import ffi
 
@@ -79,6 +81,16 @@ class EngineMetrics:
                 stats.bytes_written += nbytes
             else:
                 stats.bytes_read += nbytes
+
+    @contextlib.contextmanager
+    def failure_counted(self, peer: str, is_write: bool, nbytes: int) -> Iterator[None]:
+        """Record a transfer call that raises (successful calls the core counts itself)."""
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.record(peer, is_write, nbytes, time.perf_counter() - started, False)
+            raise
 
     def snapshot(self) -> dict:
         """Totals and per-peer figures as plain data."""

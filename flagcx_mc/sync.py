@@ -13,7 +13,6 @@ import asyncio
 import functools
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Callable, Coroutine, List, Optional, Sequence, TypeVar
 
@@ -21,7 +20,7 @@ from . import errors
 from .engine import AsyncTransferEngine, RemoteDesc
 from .names import TransferNotify, TransferOpcode
 from .sessions import Session
-from .transfer import OP_READ, OP_WRITE, SingleTransfer, TransferRequest, needs_refresh, opcode_name
+from .transfer import OP_READ, OP_WRITE, SingleTransfer, TransferRequest
 
 __all__ = ["TransferEngine"]
 
@@ -297,22 +296,12 @@ class TransferEngine:
                          rc: int, why: str) -> int:
         """Finish a call the fast path could not: ``session`` None means no usable session yet,
         else ``rc``/``why`` are its first try's result."""
-        started = time.perf_counter()
-        try:
-            sessions = self._engine._require_sessions()
+        with self._engine.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
             if session is None:
-                session = self._run(sessions.get(target))
+                session = self._run(self._engine._require_sessions().get(target))
                 rc, why = req.run(session, self._config)
-            if needs_refresh(rc):
-                session = self._run(sessions.refresh(target, session))
-                rc, why = req.run(session, self._config)
-            if rc != 0:
-                raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+            self._run(self._engine._settle(target, req, session, rc, why), timeout=None)  # the core's deadline bounds it
             return 0
-        except BaseException:
-            self._engine.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes,
-                                        time.perf_counter() - started, False)
-            raise
 
     # ------------------------------------------------------------------ asynchronous batches
 
