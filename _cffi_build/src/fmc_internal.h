@@ -21,6 +21,7 @@ void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
 int fmc_spin_us(void);
+int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer of more than 256 KiB */
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
 void fmc_cond_init_monotonic(pthread_cond_t *cv);
 

@@ -70,6 +70,7 @@ typedef struct {
     int32_t vec_status[FMC_VEC_MAX];   /* a vector answer's entry statuses, until its flush */
     uint8_t *sink;                     /* refused vector entries are received here */
     uint64_t requests, vectors_answered, zc_answered; /* answered since the last flush */
+    uint64_t last_len; /* bytes the last request moved: polling for the next pays only after small ones */
     uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
                                        (one shared atomic add per request made the streams contend) */
     fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
@@ -594,11 +595,11 @@ static void serve_mooncake(conn_state *cs)
     flush(cs);
 }
 
-/* After answering, poll briefly for the next request before sleeping (FLAGCX_MC_SPIN_US):
- * back-to-back small requests then find this thread awake. */
-static int spin_for_more(fmc_reader *rd, size_t need)
+/* After answering a small request, poll briefly for the next one before sleeping
+ * (FLAGCX_MC_SPIN_US): back-to-back small requests then find this thread awake. */
+static int spin_for_more(fmc_reader *rd, size_t need, uint64_t last_len)
 {
-    int spin = fmc_spin_us();
+    int spin = fmc_spin_us_after(last_len);
     if (spin <= 0)
         return 0;
     int64_t until = fmc_now_us() + spin;
@@ -767,7 +768,7 @@ static void serve(conn_state *cs)
             if (more < 0)
                 break;
             if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
-                if (flush(cs) < 0 || spin_for_more(&cs->rd, FMC_REQ_SIZE) < 0 ||
+                if (flush(cs) < 0 || spin_for_more(&cs->rd, FMC_REQ_SIZE, cs->last_len) < 0 ||
                     fmc_reader_fill(&cs->rd, FMC_REQ_SIZE) < 0)
                     break;
             }
@@ -778,6 +779,7 @@ static void serve(conn_state *cs)
         fmc_req q;
         fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
         cs->rd.start += FMC_REQ_SIZE;
+        cs->last_len = q.len;
         if (q.opcode == FMC_WIRE_OP_ACK) {
             if (zc_acknowledge(cs, q.len) < 0) {
                 e->stat_protocol_errors++;
