@@ -383,9 +383,7 @@ int fmc_spin_us(void)
  * takes turns from the very threads moving its bytes when cores are few: on the 2-core VM,
  * polling after 4 MiB batches cost 10-30 % of their throughput (three times as many context
  * switches as sleeping). */
-#define FMC_SPIN_MAX_BYTES (256u << 10)
-
-int fmc_spin_us_after(uint64_t bytes) { return bytes <= FMC_SPIN_MAX_BYTES ? fmc_spin_us() : 0; }
+int fmc_spin_us_after(uint64_t bytes) { return bytes <= FMC_SMALL_TRANSFER_BYTES ? fmc_spin_us() : 0; }
 
 static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
 {

@@ -21,7 +21,9 @@ void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
 int fmc_spin_us(void);
-int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer of more than 256 KiB */
+/* Transfers up to this size are "small": worth polling for, and claimed by their callers. */
+#define FMC_SMALL_TRANSFER_BYTES (256u << 10)
+int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer that is not small */
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
 void fmc_cond_init_monotonic(pthread_cond_t *cv);
 
@@ -277,12 +279,18 @@ typedef struct fmc_stream {
     /* The receive side is owned by the receiver thread, except while a synchronous caller reads
      * its own answers (`caller_recv`).  While nothing is in flight, or a caller owns it, the
      * thread parks in poll() on wake_fd and on the socket for POLLRDHUP only: data arriving
-     * wakes nobody (poll wakes only for the events asked), a peer closing an idle stream does. */
+     * wakes nobody (poll wakes only for the events asked), a peer closing an idle stream does.
+     * After a bulk batch it also asks for POLLIN (`recv_in`): the next batch's answers then wake
+     * it themselves, and senders need not wake it before their first byte leaves (a wake-up
+     * that on a 2-core machine came at the cost of the threads moving the bytes); small calls
+     * keep the quiet parking, so that their callers can claim their own answers. */
     fmc_reader rd;            /* answers read so far; used only by the receive side's owner */
     int wake_fd;              /* eventfd: work in flight, the receive side handed back, or death */
     int recv_parked;          /* the receiver thread is parked */
     int recv_blind;           /* parked without watching the socket (a caller owned it) */
     int caller_recv;          /* a caller owns the receive side */
+    int recv_in;              /* parked watching the socket for answers (POLLIN) */
+    int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */

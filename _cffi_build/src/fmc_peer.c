@@ -107,6 +107,13 @@ void fmc_stream_kill(fmc_stream *st)
     pthread_mutex_unlock(&st->mu);
 }
 
+/* Remember whether the batch now queued is bulk (see fmc_stream's recv_in). */
+static void note_batch_size(fmc_stream *st, const fmc_slice_list *list)
+{
+    if (list->head)
+        st->bulk = list->head->batch->bytes > FMC_SMALL_TRANSFER_BYTES;
+}
+
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
 {
     pthread_mutex_lock(&st->mu);
@@ -114,6 +121,7 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
         pthread_mutex_unlock(&st->mu);
         return FMC_ERR_SOCKET;
     }
+    note_batch_size(st, list);
     list_append(&st->pending, list);
     pthread_cond_signal(&st->cv);
     pthread_mutex_unlock(&st->mu);
@@ -322,7 +330,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->writes[nw++] = s;
         }
     }
-    if (first_sent && st->recv_parked && !st->caller_recv)
+    if (first_sent && st->recv_parked && !st->caller_recv && !st->recv_in)
         wake_receiver(st); /* answers will come: before the first byte leaves */
     int fd = st->fd;
     pthread_mutex_unlock(&st->mu);
@@ -388,7 +396,8 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
         return FMC_ERR_SOCKET;
     }
     int idle = !st->pending.head && !st->sending_active;
-    if (idle && claim_recv && st->recv_parked && !st->inflight.head && !st->caller_recv &&
+    note_batch_size(st, list);
+    if (idle && claim_recv && st->recv_parked && !st->recv_in && !st->inflight.head && !st->caller_recv &&
         st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0)
         *claimed = st->caller_recv = 1;
     list_append(&st->pending, list);
@@ -622,9 +631,11 @@ static int receiver_park(fmc_stream *st)
         int watch = !st->caller_recv; /* a caller that owns the socket sees its EOF itself */
         st->recv_parked = 1;
         st->recv_blind = !watch;
+        st->recv_in = watch && st->bulk;
         int owed = st->zc_owed != 0;
+        short events = (short)(POLLRDHUP | (st->recv_in ? POLLIN : 0));
         pthread_mutex_unlock(&st->mu);
-        struct pollfd pf[2] = {{.fd = st->wake_fd, .events = POLLIN}, {.fd = st->rd.fd, .events = POLLRDHUP}};
+        struct pollfd pf[2] = {{.fd = st->wake_fd, .events = POLLIN}, {.fd = st->rd.fd, .events = events}};
         int ready = poll(pf, watch ? 2 : 1, owed ? ZC_ACK_IDLE_MS : -1);
         if (ready < 0 && errno != EINTR)
             pf[1].revents = POLLERR;
@@ -639,7 +650,7 @@ static int receiver_park(fmc_stream *st)
             /* EAGAIN: another wake-up consumed it first */
         }
         pthread_mutex_lock(&st->mu);
-        st->recv_parked = st->recv_blind = 0;
+        st->recv_parked = st->recv_blind = st->recv_in = 0;
         if (watch && pf[1].revents && !st->caller_recv && !st->inflight.head)
             kill_locked(st); /* closed (or sent bytes nobody asked for) while idle */
     }
