@@ -290,7 +290,7 @@ def test_torch_expandable_segments_register_whole_and_move_same_host():
     try:
         info = json.loads(child.stdout.readline())
         assert info["rc"] == 0
-        eng = TransferEngine(transfer_timeout=30.0)
+        eng = TransferEngine(transfer_timeout=30.0, transport="auto")
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         src = DeviceBuffer(size, 0)
         assert eng.register_memory(src.addr, size, "cuda:0") == 0

@@ -340,6 +340,12 @@ int fmc_cuda_ipc_export(uint64_t addr, uint8_t *handle, uint64_t *alloc_base, in
     int dev = -1;
     if (fmc_cuda_device_of(addr, 1, &dev) != 1)
         return FMC_ERR_INVALID_ARGUMENT;
+    if (!legacy_allocation(addr)) {
+        /* cuIpcGetMemHandle refuses it (CUDA_ERROR_INVALID_VALUE on the H200's driver):
+         * say why here; its chunks are shared instead (fmc_cuda_vmm_export). */
+        fmc_set_error("VMM memory (cuMemCreate) has no legacy CUDA IPC handle");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
     CUdeviceptr base = 0;
     size_t size = 0;
     if (use_device(dev) != 0 || cu.mem_get_address_range(&base, &size, (CUdeviceptr)addr) != 0 ||
