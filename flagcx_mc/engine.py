@@ -235,8 +235,11 @@ class AsyncTransferEngine:
 
         Raises:
             AddressNotRegisteredError: ``buffer_addr`` does not start a registered region.
+            InvalidArgumentError: it is memory of ``allocate_managed_buffer`` (the pool's chunks
+                hold other buffers too: release it with ``free_managed_buffer``).
         """
         core = self._require_core()
+        self._refuse_managed(buffer_addr)
         await self._in_executor(core.unregister, buffer_addr)
         await self._republish()
 
@@ -249,12 +252,18 @@ class AsyncTransferEngine:
         await self._in_executor(_register_all, core, list(buffer_addresses), list(capacities))
         await self._republish()
 
+    def _refuse_managed(self, addr: int) -> None:
+        if self._managed is not None and addr in self._managed.shared_mappings():
+            raise errors.InvalidArgumentError(
+                f"{addr:#x} is managed memory (allocate_managed_buffer): release it with free_managed_buffer")
+
     async def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> None:
         """Unregister every address; raises the first error after trying them all."""
         core = self._require_core()
         first: Optional[errors.FlagcxMcError] = None
         for addr in list(buffer_addresses):
             try:
+                self._refuse_managed(addr)
                 await self._in_executor(core.unregister, addr)
             except errors.FlagcxMcError as exc:
                 first = first or exc

@@ -139,7 +139,8 @@ def test_many_threads_same_host(sh_node):
 
 def test_managed_buffers_are_shared_mappings_on_one_host():
     """A peer's managed (memfd) memory is mapped here and copied with memcpy; content exact both
-    ways; a freed dedicated buffer is refused afterwards."""
+    ways; unregister_memory refuses it (free_managed_buffer releases it); a freed dedicated buffer
+    is refused afterwards."""
     from flagcx_mc import TransferEngine
 
     owner, user = TransferEngine(transport="same-host"), TransferEngine(transport="same-host")
@@ -161,6 +162,9 @@ def test_managed_buffers_are_shared_mappings_on_one_host():
             assert buf.digest(0, 1 << 20) == digest
         peer = user._engine._sessions.peek(owner.session_name).peer
         assert peer.same_host and peer.shared_regions >= 1
+        # its pool chunk holds other buffers too: unregister_memory refuses it, the buffer stays
+        assert owner.unregister_memory(small) < 0 and owner.batch_unregister_memory([small]) < 0
+        assert user.transfer_sync_write(owner.session_name, buf.addr, small, 1 << 20) == 0
         assert owner.free_managed_buffer(big, 300 << 20) == 0
         assert user.transfer_sync_write(owner.session_name, buf.addr, big, 4096) == -3
     finally:

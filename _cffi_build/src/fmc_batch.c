@@ -78,6 +78,7 @@ static int same_host(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
         return 1;
     }
     int rc = fmc_sh_transfer(p, opcode, n, local, remote, lens, local_dev, routes, deadline_ms);
+    fmc_peer_routes_done(p);
     free(routes);
     fmc_batch *b = batch_alloc(p, opcode, n, 0);
     if (!b)

@@ -322,6 +322,12 @@ struct fmc_peer {
     uint64_t *r_ipc_mapped;   /* and where CUDA IPC mapped that allocation here (0: not mapped) */
     uint64_t *r_shm_mapped;   /* where the peer's shared memfd region is mapped here (0: not) */
     int r_count;
+    /* Same-host copies in flight hold the mappings their routes point into (`map_users`); a
+     * mapping dropped meanwhile (the region left the peer's table) is retired, and unmapped by
+     * the last copy out, never under a copy (a GPU copy into an unmapped range would poison the
+     * process's CUDA context). */
+    int map_users;
+    struct fmc_retired_map *retired;
     fmc_sh_ctrl *sh;          /* mapped control block of a same-host peer, else NULL */
     int sh_pid;
     int sh_words[FMC_SH_WORDS_PER_PEER]; /* busy words we own in the peer's control block */
@@ -338,6 +344,8 @@ struct fmc_peer {
     fmc_stream streams[FMC_MAX_STREAMS];
 };
 
+/* A same-host call's routes are done with: release the mappings they pointed into. */
+void fmc_peer_routes_done(struct fmc_peer *p);
 int fmc_peer_lookup_keys(struct fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens,
                          uint32_t *keys, int *bad_index);
 int fmc_sh_engine_init(fmc_engine *e);

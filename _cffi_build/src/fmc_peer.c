@@ -835,6 +835,56 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
 static int find_locked(fmc_peer *p, uint64_t addr, uint64_t len, uint64_t *base, uint32_t *key);
 static int region_index_locked(const fmc_peer *p, uint64_t addr, uint64_t len, int hint);
 
+/* A mapping of a region that left the peer's table: a GPU range (device >= 0) or a shared one. */
+typedef struct fmc_retired_map {
+    uint64_t mapped, len;
+    int device;
+    struct fmc_retired_map *next;
+} fmc_retired_map;
+
+static void unmap_retired(fmc_retired_map *m)
+{
+    while (m) {
+        fmc_retired_map *next = m->next;
+        if (m->device >= 0)
+            fmc_cuda_peer_unmap(m->mapped, m->device);
+        else
+            munmap((void *)(uintptr_t)m->mapped, (size_t)m->len);
+        free(m);
+        m = next;
+    }
+}
+
+/* Retire a mapping under p->mu (unmapped once no copy uses the peer's mappings).  Out of memory:
+ * leaked rather than unmapped under a copy. */
+static void retire_locked(fmc_peer *p, uint64_t mapped, uint64_t len, int device)
+{
+    fmc_retired_map *m = malloc(sizeof *m);
+    if (!m)
+        return;
+    *m = (fmc_retired_map){.mapped = mapped, .len = len, .device = device, .next = p->retired};
+    p->retired = m;
+}
+
+/* Retired mappings nobody can use any more, taken off the peer (call under p->mu). */
+static fmc_retired_map *take_unused_retired_locked(fmc_peer *p)
+{
+    if (p->map_users > 0)
+        return NULL;
+    fmc_retired_map *m = p->retired;
+    p->retired = NULL;
+    return m;
+}
+
+void fmc_peer_routes_done(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    p->map_users--;
+    fmc_retired_map *m = take_unused_retired_locked(p);
+    pthread_mutex_unlock(&p->mu);
+    unmap_retired(m);
+}
+
 int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *lens, const uint32_t *keys, int n)
 {
     if (n < 0)
@@ -902,7 +952,7 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
                     kept = 1;
                 }
             if (!kept)
-                munmap((void *)(uintptr_t)p->r_shm_mapped[j], (size_t)p->r_len[j]);
+                retire_locked(p, p->r_shm_mapped[j], p->r_len[j], -1);
         }
         if (!p->r_ipc_mapped || !p->r_ipc_mapped[j])
             continue;
@@ -916,7 +966,7 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
             }
         }
         if (!kept)
-            fmc_cuda_peer_unmap(p->r_ipc_mapped[j], p->r_dev[j]);
+            retire_locked(p, p->r_ipc_mapped[j], 0, p->r_dev[j]);
     }
     free(p->r_addr);
     free(p->r_len);
@@ -937,7 +987,9 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
     p->r_ipc_base = ib;
     p->r_ipc_mapped = im;
     p->r_count = n;
+    fmc_retired_map *unused = take_unused_retired_locked(p);
     pthread_mutex_unlock(&p->mu);
+    unmap_retired(unused);
     return FMC_OK;
 }
 
@@ -1102,7 +1154,8 @@ int fmc_peer_is_same_host(fmc_peer *p)
     return on;
 }
 
-/* Routes for every task; 0 if some task cannot go the same-host way (then the batch uses TCP):
+/* Routes for every task; 0 if some task cannot go the same-host way (then the batch uses TCP).
+ * 1: the mappings they point into stay mapped until fmc_peer_routes_done.  0:
  * a region without a slot, a GPU region we could not map, or a GPU source/destination here with
  * host memory there (process_vm_* cannot reach GPU memory). */
 int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uint64_t *lens, const int32_t *local_dev,
@@ -1130,6 +1183,7 @@ int fmc_peer_lookup_routes(fmc_peer *p, int n, const uint64_t *remote, const uin
             routes[i].mapped = p->r_shm_mapped[idx] + (remote[i] - p->r_addr[idx]);
         }
     }
+    p->map_users += ok; /* until fmc_peer_routes_done */
     pthread_mutex_unlock(&p->mu);
     return ok;
 }
@@ -1379,6 +1433,7 @@ void fmc_peer_release(fmc_peer *p)
         if (p->r_shm_mapped && p->r_shm_mapped[i])
             munmap((void *)(uintptr_t)p->r_shm_mapped[i], (size_t)p->r_len[i]);
     }
+    unmap_retired(p->retired); /* the last reference is gone: no copy runs */
     free(p->r_shm_mapped);
     free(p->r_dev);
     free(p->r_ipc_base);
