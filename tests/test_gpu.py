@@ -277,6 +277,59 @@ def test_vmm_region_unregistered_and_registered_again_while_mapped():
         src.close()
 
 
+@pytest.mark.parametrize("vmm_chunk", [0, VMM_CHUNK], ids=["cudaMalloc", "vmm"])
+def test_region_leaving_the_table_under_running_copies_keeps_the_context_sane(vmm_chunk):
+    """Same-host GPU copies keep running while the target unregisters their region and another
+    thread keeps refreshing the peer's table: the mapping must not be unmapped under a copy
+    (CUDA would fault and poison this process's context).  Afterwards GPU transfers still land
+    exactly."""
+    import threading
+    import time
+
+    size = 64 << 20
+    node = NodeProcess(regions=[4096])
+    eng = TransferEngine(transfer_timeout=30.0, transport="auto")
+    src = DeviceBuffer(size, 0)
+    try:
+        node.call("add_region", size=size, device=0, vmm_chunk=vmm_chunk)
+        node.call("add_region", size=size, device=0)
+        doomed, spare = _region_addr(node, 1), _region_addr(node, 2)
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(src.addr, size) == 0
+        src.fill_random()
+        assert eng.transfer_sync_write(node.session, src.addr, doomed, size) == 0
+        sessions, stop = eng._engine._sessions, threading.Event()
+
+        def writer():
+            while not stop.is_set():
+                eng.transfer_sync_write(node.session, src.addr, doomed, size)  # fails once unregistered
+
+        def refresher():
+            while not stop.is_set():
+                session = sessions.peek(node.session)
+                if session is not None:
+                    eng._run(sessions.refresh(node.session, session))
+
+        threads = [threading.Thread(target=writer), threading.Thread(target=refresher)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert node.call("unregister", region=1)["rc"] == 0
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        digest = src.fill_random()
+        assert eng.transfer_sync_write(node.session, src.addr, spare, size) == 0
+        assert node.call("digest", region=2)["digest"] == digest
+        assert src.digest() == digest
+        assert node.call("stats")["bytes_served_in"] == 0  # device copies throughout
+    finally:
+        eng.close()
+        node.close()
+        src.close()
+
+
 def test_torch_expandable_segments_register_whole_and_move_same_host():
     """A tensor of torch's expandable segments spans several 20 MiB chunks: it registers as one
     region, and a same-host peer maps its chunks where torch made them shareable (POSIX file
