@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -282,3 +284,13 @@ def test_a_forked_child_copies_in_parts_too(sh_node):
     finally:
         eng.close()
         buf.close()
+
+
+def test_a_shared_mapping_is_never_unmapped_under_a_running_copy():
+    """A peer's region leaves its table (and a refresh drops its mapping here) while same-host
+    copies into that mapping are running: the mapping goes only after the last copy (before,
+    this child died of SIGSEGV every time)."""
+    child = os.path.join(os.path.dirname(__file__), "same_host_unmap_child.py")
+    done = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip().endswith("ok")

@@ -1,0 +1,50 @@
+"""Child of tests/test_same_host.py: same-host copies into a peer's shared mapping keep running
+while the peer's region leaves its table and another thread keeps refreshing that table.  An
+unmapping under a running copy kills this process (SIGSEGV); prints "ok" when it survives."""
+
+import threading
+import time
+
+from flagcx_mc import TransferEngine
+from flagcx_mc.buffers import HostBuffer
+
+SIZE = 256 << 20  # above the pool's chunk size: a dedicated memfd region per buffer
+owner, user = TransferEngine(transport="same-host"), TransferEngine(transport="same-host")
+assert owner.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+assert user.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+buf = HostBuffer(SIZE)
+assert user.register_memory(buf.addr, SIZE) == 0
+name, sessions = owner.session_name, user._engine._sessions
+for cycle in range(3):
+    target = owner.allocate_managed_buffer(SIZE + 4096)
+    assert user.transfer_sync_write(name, buf.addr, target, 4096) == 0
+    assert sessions.peek(name).peer.shared_regions >= 1
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            user.transfer_sync_write(name, buf.addr, target, SIZE)  # fails once unregistered
+
+    def refresher():
+        while not stop.is_set():
+            session = sessions.peek(name)
+            if session is not None:
+                user._run(sessions.refresh(name, session))
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=refresher)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    # The pool refuses unregister_memory; the core's unregister runs off the owner's loop, as
+    # unregister_memory does for other memory, so the loop keeps answering refreshes meanwhile.
+    gone = threading.Event()
+    threading.Thread(target=lambda: (owner._engine._core.unregister(target), gone.set())).start()
+    assert gone.wait(30)
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join(30)
+user.close()
+owner.close()
+buf.close()
+print("ok", flush=True)
