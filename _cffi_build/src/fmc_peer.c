@@ -941,32 +941,29 @@ int fmc_peer_set_regions(fmc_peer *p, const uint64_t *addrs, const uint64_t *len
         dv[i] = -1;
     }
     pthread_mutex_lock(&p->mu);
-    /* Shared and GPU mappings of regions that are still there carry over; the others go (a
-     * region registered anew, even at the same place, has a new key and new memory behind it). */
+    /* What we know of regions that are still there carries over: their mappings, and their
+     * same-host slot and GPU until set_region_slots / set_region_gpu say again (meanwhile a
+     * concurrent call must neither leave the same-host path nor aim process_vm_* at GPU memory).
+     * The others' mappings are retired (a region registered anew, even at the same place, has a
+     * new key and new memory behind it). */
     for (int j = 0; j < p->r_count; j++) {
-        if (p->r_shm_mapped && p->r_shm_mapped[j]) {
-            int kept = 0;
-            for (int i = 0; i < n && !kept; i++)
-                if (a[i] == p->r_addr[j] && l[i] == p->r_len[j] && k[i] == p->r_key[j]) {
-                    sm[i] = p->r_shm_mapped[j];
-                    kept = 1;
-                }
-            if (!kept)
+        int i = 0;
+        while (i < n && !(a[i] == p->r_addr[j] && l[i] == p->r_len[j] && k[i] == p->r_key[j]))
+            i++;
+        int kept = i < n;
+        if (kept) {
+            sl[i] = p->r_slot[j];
+            g[i] = p->r_gen[j];
+            dv[i] = p->r_dev[j];
+            sm[i] = p->r_shm_mapped[j];
+            ib[i] = p->r_ipc_base[j];
+            im[i] = p->r_ipc_mapped[j];
+        } else {
+            if (p->r_shm_mapped[j])
                 retire_locked(p, p->r_shm_mapped[j], p->r_len[j], -1);
+            if (p->r_ipc_mapped[j])
+                retire_locked(p, p->r_ipc_mapped[j], 0, p->r_dev[j]);
         }
-        if (!p->r_ipc_mapped || !p->r_ipc_mapped[j])
-            continue;
-        int kept = 0;
-        for (int i = 0; i < n && !kept; i++) {
-            if (a[i] == p->r_addr[j] && l[i] == p->r_len[j] && k[i] == p->r_key[j]) {
-                dv[i] = p->r_dev[j];
-                ib[i] = p->r_ipc_base[j];
-                im[i] = p->r_ipc_mapped[j];
-                kept = 1;
-            }
-        }
-        if (!kept)
-            retire_locked(p, p->r_ipc_mapped[j], 0, p->r_dev[j]);
     }
     free(p->r_addr);
     free(p->r_len);
