@@ -180,7 +180,7 @@ async def test_dribbling_peer_cannot_extend_the_frame_deadline():
             for _ in range(30):  # one byte every 0.1 s: each read is quick, the frame is not
                 writer.write(b" ")
                 await asyncio.sleep(0.1)
-                if reader.at_eof():
+                if reader.at_eof() or reader.exception() is not None:  # closed, or reset (bytes unread)
                     break
         await assert_dropped(reader, 3)
         assert time.monotonic() - start < 2.0
