@@ -280,9 +280,11 @@ def test_vmm_region_unregistered_and_registered_again_while_mapped():
 @pytest.mark.parametrize("vmm_chunk", [0, VMM_CHUNK], ids=["cudaMalloc", "vmm"])
 def test_region_leaving_the_table_under_running_copies_keeps_the_context_sane(vmm_chunk):
     """Same-host GPU copies keep running while the target unregisters their region and another
-    thread keeps refreshing the peer's table: the mapping must not be unmapped under a copy
-    (CUDA would fault and poison this process's context).  Afterwards GPU transfers still land
-    exactly."""
+    thread keeps refreshing the peer's table: every copy stays on the same-host path through the
+    refreshes (before, a refresh briefly dropped the regions' slots and calls went over TCP:
+    this test failed on the served-bytes check), no mapping is unmapped under a copy, and GPU
+    transfers afterwards land exactly.  (On the H200 an unmapping under a copy showed no fault;
+    test_same_host's shared-buffer twin of this test is the one that caught it.)"""
     import threading
     import time
 
