@@ -77,6 +77,27 @@ def test_make_desc_finds_the_region_and_key(core):
             peer.find_region(addr, length)
 
 
+def test_gpu_chunks_that_do_not_cover_the_region_are_refused_by_the_core(core):
+    """The core checks a peer's VMM chunks itself (the descriptor parser does too): chunks that
+    leave part of the region unmapped, or a region we do not know, are refused; what covers it is
+    accepted (here, off the same-host path, only remembered as GPU memory)."""
+    from flagcx_mc.metadata import GpuShare
+
+    peer = CorePeer(core, "127.0.0.1", core.data_port, 1, 0)
+    peer.set_regions([(0x7E00_0010_0000, 40 << 20, 9)])
+    chunk = 20 << 20
+    short = GpuShare(0, vmm=((0x7E00_0000_0000, chunk, 3), (0x7E00_0000_0000 + chunk, chunk, 4)))
+    late = GpuShare(0, vmm=((0x7E00_0020_0000, 3 * chunk, 3),))
+    for bad in (short, late):
+        with pytest.raises(errors.InvalidArgumentError):
+            peer.set_region_gpu(0x7E00_0010_0000, bad)
+    with pytest.raises(errors.AddressNotRegisteredError):
+        peer.set_region_gpu(0x7D00_0000_0000, GpuShare(0, vmm=((0x7D00_0000_0000, chunk, 3),)))
+    covering = GpuShare(0, vmm=tuple((0x7E00_0000_0000 + i * chunk, chunk, 3 + i) for i in range(3)))
+    peer.set_region_gpu(0x7E00_0010_0000, covering)
+    peer.set_region_gpu(0x7E00_0010_0000, GpuShare(0))
+
+
 def _raw_data_conn(core, payload: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", core.data_port), timeout=5) as s:
         s.sendall(payload)
