@@ -123,16 +123,14 @@ static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
     return b;
 }
 
-/* Batches up to this size that land on one idle stream are sent by the calling thread. */
-#define FMC_INLINE_MAX_BYTES (256u << 10)
-
-/* The stream a batch starts on.  Small batches go back to the stream the last small one used
- * while it is idle: the target's thread for that connection is then still polling for the next
- * request (FLAGCX_MC_SPIN_US) instead of asleep, which is most of a small call's round trip on
- * a VM.  Round robin otherwise, and when that stream is busy with someone else's batch. */
+/* The stream a batch starts on.  Small batches (FMC_SMALL_TRANSFER_BYTES) go back to the
+ * stream the last small one used while it is idle: the target's thread for that connection is
+ * then still polling for the next request (FLAGCX_MC_SPIN_US) instead of asleep, which is most
+ * of a small call's round trip on a VM.  Round robin otherwise, and when that stream is busy
+ * with someone else's batch. */
 static int start_stream(fmc_peer *p, uint64_t bytes)
 {
-    if (bytes <= FMC_INLINE_MAX_BYTES) {
+    if (bytes <= FMC_SMALL_TRANSFER_BYTES) {
         int hot = atomic_load_explicit(&p->hot_stream, memory_order_relaxed);
         fmc_stream *st = &p->streams[hot];
         if (pthread_mutex_trylock(&st->mu) == 0) {
@@ -143,7 +141,7 @@ static int start_stream(fmc_peer *p, uint64_t bytes)
         }
     }
     int stream = (int)(atomic_fetch_add(&p->rr, 1) % (uint32_t)p->nstreams);
-    if (bytes <= FMC_INLINE_MAX_BYTES)
+    if (bytes <= FMC_SMALL_TRANSFER_BYTES)
         atomic_store_explicit(&p->hot_stream, stream, memory_order_relaxed);
     return stream;
 }
@@ -271,7 +269,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
      * that fits one stream, and a synchronous read's requests on every stream: they carry no
      * payload, and each wake-up spared costs tens of microseconds on a loaded small machine.
      * Other writes keep their sender threads, which push the streams' payloads in parallel. */
-    int small = used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_INLINE_MAX_BYTES;
+    int small = used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_SMALL_TRANSFER_BYTES;
     int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
     int claim = small && receiving && opcode == FMC_OP_WRITE && fmc_spin_us() > 0;
     for (int i = 0; i < p->nstreams; i++) {

@@ -21,7 +21,8 @@ void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
 int fmc_spin_us(void);
-/* Transfers up to this size are "small": worth polling for, and claimed by their callers. */
+/* Transfers up to this size are "small": worth polling for, and (on one idle stream) sent by
+ * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
 int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer that is not small */
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
