@@ -559,6 +559,15 @@ int fmc_baseline_cuda_free(int device, uint64_t ptr)
     return cu.free(ptr) == 0 ? 0 : FMC_ERR_INVALID_ARGUMENT;
 }
 
+/* Unmap the first `mapped` bytes of a VMM range in `chunk` steps (each releases its memory) and
+ * free all `size` bytes of its address range. */
+static int release_vmm(uint64_t va, uint64_t mapped, uint64_t size, uint64_t chunk)
+{
+    for (uint64_t off = 0; off < mapped; off += chunk)
+        cu.mem_unmap(va + off, chunk);
+    return size && cu.mem_address_free(va, size) != 0 ? FMC_ERR_INVALID_ARGUMENT : 0;
+}
+
 /* GPU memory the way torch's expandable segments make it: `size` (a multiple of `chunk`, itself a
  * multiple of the 2 MiB granularity) of address space backed by one cuMemCreate allocation per
  * chunk, mapped side by side; shareable: the chunks allow POSIX file descriptor handles. */
@@ -592,9 +601,7 @@ int fmc_baseline_cuda_alloc_vmm(int device, uint64_t size, uint64_t chunk, int s
     }
     cu_access_desc access = {1 /* DEVICE */, device, 3 /* READWRITE */};
     if (mapped < size || cu.mem_set_access(va, size, &access, 1) != 0) {
-        for (uint64_t off = 0; off < mapped; off += chunk)
-            cu.mem_unmap(va + off, chunk);
-        cu.mem_address_free(va, size);
+        release_vmm(va, mapped, size, chunk);
         fmc_set_error("cannot create and map %llu bytes of VMM memory on device %d", (unsigned long long)size, device);
         return FMC_ERR_MEMORY;
     }
@@ -602,15 +609,13 @@ int fmc_baseline_cuda_alloc_vmm(int device, uint64_t size, uint64_t chunk, int s
     return 0;
 }
 
-/* Unmap the chunks of [ptr, ptr+size) (each releases its memory) and free the address range. */
+/* Unmap the chunks of [ptr, ptr+size) and free the address range. */
 int fmc_baseline_cuda_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk)
 {
     int rc = cu_use(device, NULL);
     if (rc < 0 || !cu.mem_unmap || chunk == 0)
         return rc < 0 ? rc : FMC_ERR_INVALID_ARGUMENT;
-    for (uint64_t off = 0; off < size; off += chunk)
-        cu.mem_unmap(ptr + off, chunk);
-    return size && cu.mem_address_free(ptr, size) != 0 ? FMC_ERR_INVALID_ARGUMENT : 0;
+    return release_vmm(ptr, size, size, chunk);
 }
 
 /* Any direction (host or device addresses: unified addressing); returns once the bytes are there. */

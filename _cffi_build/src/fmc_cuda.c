@@ -194,6 +194,12 @@ static int walk_chunks(uint64_t addr, uint64_t len, int device, int (*fn)(void *
     return n;
 }
 
+static void set_range_error(uint64_t addr, uint64_t len)
+{
+    fmc_set_error("[0x%llx, +%llu) runs past the end of its GPU allocation", (unsigned long long)addr,
+                  (unsigned long long)len);
+}
+
 int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
 {
     *device = -1;
@@ -203,8 +209,7 @@ int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
     if (ordinal < 0)
         return 0;
     if (use_device(ordinal) != 0 || walk_chunks(addr, len, ordinal, NULL, NULL) < 0) {
-        fmc_set_error("[0x%llx, +%llu) runs past the end of its GPU allocation", (unsigned long long)addr,
-                      (unsigned long long)len);
+        set_range_error(addr, len);
         return -1;
     }
     *device = ordinal;
@@ -390,6 +395,7 @@ typedef struct {
     int cap, n;
     uint64_t *bases, *sizes;
     int32_t *fds;
+    int refused; /* a chunk could not be exported (the reason is set) */
 } export_ctx;
 
 static int export_chunk(void *arg, uint64_t base, uint64_t size)
@@ -397,26 +403,26 @@ static int export_chunk(void *arg, uint64_t base, uint64_t size)
     export_ctx *x = arg;
     if (x->n == x->cap) {
         fmc_set_error("more than %d chunks", x->cap);
-        return -1;
+        return x->refused = -1;
     }
     uint64_t types = 0;
     if (cu.pointer_get_attribute(&types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, (CUdeviceptr)base) == 0 &&
         !(types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
         fmc_set_error("its chunk at 0x%llx was not created shareable as a POSIX file descriptor",
                       (unsigned long long)base);
-        return -1;
+        return x->refused = -1;
     }
     CUmemHandle h = 0;
     int fd = -1;
     if (cu.mem_retain_handle(&h, (void *)(uintptr_t)base) != 0) {
         fmc_set_error("cuMemRetainAllocationHandle refused its chunk at 0x%llx", (unsigned long long)base);
-        return -1;
+        return x->refused = -1;
     }
     CUresult r = cu.mem_export(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
     cu.mem_release(h);
     if (r != 0 || fd < 0) {
         fmc_set_error("cuMemExportToShareableHandle refused its chunk at 0x%llx (error %d)", (unsigned long long)base, r);
-        return -1;
+        return x->refused = -1;
     }
     x->bases[x->n] = base;
     x->sizes[x->n] = size;
@@ -434,18 +440,23 @@ static void raise_fd_limit(void)
     }
 }
 
-int fmc_cuda_vmm_export(uint64_t addr, uint64_t len, int cap, uint64_t *bases, uint64_t *sizes, int32_t *fds)
+/* `device`: the GPU registration found the range on; the walk checks every chunk again. */
+int fmc_cuda_vmm_export(uint64_t addr, uint64_t len, int device, int cap, uint64_t *bases, uint64_t *sizes,
+                        int32_t *fds)
 {
-    int dev = -1;
-    if (fmc_cuda_device_of(addr, len, &dev) != 1)
-        return FMC_ERR_INVALID_ARGUMENT;
+    if (!fmc_cuda_available() || use_device(device) != 0) {
+        fmc_set_error("no usable CUDA context on device %d", device);
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    }
     if (!cu.vmm || legacy_allocation(addr)) {
         fmc_set_error("not VMM memory, or the driver lacks the VMM calls");
         return FMC_ERR_NOT_IMPLEMENTED;
     }
     raise_fd_limit();
     export_ctx x = {.cap = cap, .bases = bases, .sizes = sizes, .fds = fds};
-    if (use_device(dev) != 0 || walk_chunks(addr, len, dev, export_chunk, &x) < 0) {
+    if (walk_chunks(addr, len, device, export_chunk, &x) < 0) {
+        if (!x.refused)
+            set_range_error(addr, len);
         for (int i = 0; i < x.n; i++)
             close(fds[i]);
         return FMC_ERR_NOT_IMPLEMENTED;

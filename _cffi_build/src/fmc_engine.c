@@ -272,9 +272,16 @@ int fmc_unregister(fmc_engine *e, uint64_t addr)
     return rc;
 }
 
-/* The GPU ordinal of the region starting at addr (-1: host memory or no such region), and its
- * length and key. */
-static int gpu_region(fmc_engine *e, uint64_t addr, uint64_t *len, uint32_t *key)
+/* The region starting at addr with that registration key, or NULL.  Caller holds e->mu. */
+static fmc_region *region_at_locked(fmc_engine *e, uint64_t addr, uint32_t key)
+{
+    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
+    return r && r->addr == addr && r->key == key ? r : NULL;
+}
+
+/* The GPU ordinal of the region starting at addr (-1: host memory or no such region), its length
+ * and key, and whether its VMM chunks are exported already. */
+static int gpu_region(fmc_engine *e, uint64_t addr, uint64_t *len, uint32_t *key, int *exported)
 {
     pthread_mutex_lock(&e->mu);
     fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
@@ -282,6 +289,7 @@ static int gpu_region(fmc_engine *e, uint64_t addr, uint64_t *len, uint32_t *key
     if (dev >= 0) {
         *len = r->len;
         *key = r->key;
+        *exported = r->vmm != NULL;
     }
     pthread_mutex_unlock(&e->mu);
     return dev;
@@ -291,7 +299,8 @@ int fmc_region_cuda_ipc(fmc_engine *e, uint64_t addr, uint8_t *handle64, uint64_
 {
     uint64_t len;
     uint32_t key;
-    if ((*device = gpu_region(e, addr, &len, &key)) < 0)
+    int exported;
+    if ((*device = gpu_region(e, addr, &len, &key, &exported)) < 0)
         return 0;
     int rc = fmc_cuda_ipc_export(addr, handle64, alloc_base, device);
     return rc == FMC_OK ? 1 : rc;
@@ -304,44 +313,34 @@ int fmc_region_cuda_vmm(fmc_engine *e, uint64_t addr, uint64_t *bases, uint64_t 
 {
     uint64_t len;
     uint32_t key;
-    if ((*device = gpu_region(e, addr, &len, &key)) < 0)
+    int exported;
+    if ((*device = gpu_region(e, addr, &len, &key, &exported)) < 0)
         return 0;
-    pthread_mutex_lock(&e->mu);
-    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
-    int have = r && r->key == key && r->vmm;
-    pthread_mutex_unlock(&e->mu);
-    if (!have) {
-        fmc_vmm_export *x = malloc(sizeof *x);
-        if (!x)
+    fmc_vmm_export *x = NULL;
+    if (!exported) {
+        if (!(x = malloc(sizeof *x)))
             return FMC_ERR_MEMORY;
-        x->n = fmc_cuda_vmm_export(addr, len, FMC_CUDA_VMM_MAX_CHUNKS, x->base, x->size, x->fd);
+        x->n = fmc_cuda_vmm_export(addr, len, *device, FMC_CUDA_VMM_MAX_CHUNKS, x->base, x->size, x->fd);
         if (x->n < 0) {
             int rc = x->n;
             free(x);
             return rc;
         }
-        pthread_mutex_lock(&e->mu);
-        r = fmc_registry_find(&e->reg, addr, 1);
-        if (r && r->key == key && !r->vmm) {
-            r->vmm = x;
-            x = NULL;
-        }
-        pthread_mutex_unlock(&e->mu);
-        if (x) { /* raced with another export, or unregistered meanwhile */
-            for (int i = 0; i < x->n; i++)
-                close(x->fd[i]);
-            free(x);
-        }
     }
     pthread_mutex_lock(&e->mu);
-    r = fmc_registry_find(&e->reg, addr, 1);
-    int n = r && r->key == key && r->vmm ? r->vmm->n : 0;
+    fmc_region *r = region_at_locked(e, addr, key);
+    if (r && !r->vmm) {
+        r->vmm = x;
+        x = NULL;
+    }
+    int n = r && r->vmm ? r->vmm->n : 0;
     for (int i = 0; i < n && n <= cap; i++) {
         bases[i] = r->vmm->base[i];
         sizes[i] = r->vmm->size[i];
         fds[i] = r->vmm->fd[i];
     }
     pthread_mutex_unlock(&e->mu);
+    fmc_vmm_export_free(x); /* raced with another export, or unregistered meanwhile */
     if (n == 0)
         fmc_set_error("the region at 0x%llx was unregistered", (unsigned long long)addr);
     return n ? n : FMC_ERR_ADDRESS_NOT_REGISTERED;

@@ -97,7 +97,8 @@ int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped);
  * < 0 with the reason in fmc_last_error); map a same-host peer's chunks here, taking its fds
  * with pidfd_getfd. */
 #define FMC_CUDA_VMM_MAX_CHUNKS 8192
-int fmc_cuda_vmm_export(uint64_t addr, uint64_t len, int cap, uint64_t *bases, uint64_t *sizes, int32_t *fds);
+int fmc_cuda_vmm_export(uint64_t addr, uint64_t len, int device, int cap, uint64_t *bases, uint64_t *sizes,
+                        int32_t *fds);
 int fmc_cuda_vmm_import(int pid, int n, const uint64_t *bases, const uint64_t *sizes, const int32_t *fds, int device,
                         uint64_t *mapped);
 /* Undo fmc_cuda_ipc_open or fmc_cuda_vmm_import. */
@@ -177,6 +178,7 @@ int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t ke
 fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr);
 void fmc_registry_free(fmc_registry *reg);
 void fmc_region_free(fmc_region *r); /* and what it owns */
+void fmc_vmm_export_free(fmc_vmm_export *x); /* closes its descriptors; NULL: nothing */
 int fmc_check_mapped(uint64_t addr, uint64_t len);
 /* 1 if every page of [addr, addr+len) is mapped writable (per /proc/self/maps), else 0. */
 int fmc_range_writable(uint64_t addr, uint64_t len);

@@ -842,14 +842,20 @@ typedef struct fmc_retired_map {
     struct fmc_retired_map *next;
 } fmc_retired_map;
 
+/* Undo a mapping of a peer's region: GPU (device >= 0) or shared memory of `len` bytes. */
+static void unmap_region(uint64_t mapped, uint64_t len, int device)
+{
+    if (device >= 0)
+        fmc_cuda_peer_unmap(mapped, device);
+    else
+        munmap((void *)(uintptr_t)mapped, (size_t)len);
+}
+
 static void unmap_retired(fmc_retired_map *m)
 {
     while (m) {
         fmc_retired_map *next = m->next;
-        if (m->device >= 0)
-            fmc_cuda_peer_unmap(m->mapped, m->device);
-        else
-            munmap((void *)(uintptr_t)m->mapped, (size_t)m->len);
+        unmap_region(m->mapped, m->len, m->device);
         free(m);
         m = next;
     }
@@ -1426,9 +1432,9 @@ void fmc_peer_release(fmc_peer *p)
     fmc_sh_peer_release(p);
     for (int i = 0; i < p->r_count; i++) {
         if (p->r_ipc_mapped && p->r_ipc_mapped[i])
-            fmc_cuda_peer_unmap(p->r_ipc_mapped[i], p->r_dev[i]);
+            unmap_region(p->r_ipc_mapped[i], 0, p->r_dev[i]);
         if (p->r_shm_mapped && p->r_shm_mapped[i])
-            munmap((void *)(uintptr_t)p->r_shm_mapped[i], (size_t)p->r_len[i]);
+            unmap_region(p->r_shm_mapped[i], p->r_len[i], -1);
     }
     unmap_retired(p->retired); /* the last reference is gone: no copy runs */
     free(p->r_shm_mapped);

@@ -88,13 +88,17 @@ fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr)
     return r;
 }
 
+void fmc_vmm_export_free(fmc_vmm_export *x)
+{
+    for (int i = 0; x && i < x->n; i++)
+        close(x->fd[i]);
+    free(x);
+}
+
 void fmc_region_free(fmc_region *r)
 {
-    if (r && r->vmm) {
-        for (int i = 0; i < r->vmm->n; i++)
-            close(r->vmm->fd[i]);
-        free(r->vmm);
-    }
+    if (r)
+        fmc_vmm_export_free(r->vmm);
     free(r);
 }
 
