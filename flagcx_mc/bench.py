@@ -473,9 +473,17 @@ def _host_info() -> dict:
         mooncake_version = f"{dists[0]} {version(dists[0])}" if dists else None
     except Exception:  # metadata is informative only
         pass
+    # Loopback connections of flagcx_mc and of the raw-socket limit use FLAGCX_MC_LOCAL_CC (reno
+    # by default); Mooncake's use the host's default, recorded here.
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            host_cc = f.read().strip()
+    except OSError:
+        host_cc = None
     return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
             "python": platform.python_version(), "flagcx_mc": flagcx_mc.__version__, "mooncake": mooncake_version,
-            "loadavg_at_start": list(os.getloadavg())}
+            "loadavg_at_start": list(os.getloadavg()), "tcp_congestion_control": host_cc,
+            "local_congestion_control": os.environ.get("FLAGCX_MC_LOCAL_CC", "reno") or host_cc}
 
 
 def run_bench(opts: BenchOptions) -> int:

@@ -14,6 +14,7 @@ import os
 import re
 import select
 import signal
+import subprocess
 import threading
 import time
 from typing import List, Optional
@@ -358,4 +359,60 @@ def test_a_crashed_initiator_hosts_connections_are_eventually_reaped(make_networ
         assert not untimed, f"{len(untimed)} of {len(lines)} connections to a dead host would live forever"
     finally:
         initiator.kill()
+        target.close()
+
+
+# --- congestion control: none within one host, the host's own choice between hosts ------------
+
+
+def congestion_controls(ss_output: str) -> List[str]:
+    """The congestion-control name of each socket in ``ss -tinH`` output (one per socket)."""
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        known = set(f.read().split()) | {"reno", "cubic", "bbr"}
+    return [word for word in ss_output.split() if word in known]
+
+
+def data_connection_ccs(port: int, run=None) -> List[str]:
+    argv = ["ss", "-tinH", "state", "established", f"( sport = :{port} )"]
+    out = run(*argv).stdout if run else subprocess.run(argv, capture_output=True, text=True, check=True,
+                                                       timeout=15).stdout
+    return congestion_controls(out)
+
+
+@pytest.mark.parametrize("local_cc", [None, ""], ids=["default-reno", "kept-host-default"])
+def test_connections_within_one_host_run_unpaced(local_cc):
+    """Loopback data connections use reno (BBR's pacing costs throughput where there is no
+    network); FLAGCX_MC_LOCAL_CC="" keeps the host's default. Both ends are checked (the target's
+    accepted sockets and the initiator's connected ones), after a verified transfer."""
+    require_tool("ss", "iproute2")
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        host_default = f.read().strip()
+    env = {} if local_cc is None else {"FLAGCX_MC_LOCAL_CC": local_cc}
+    with NodeProcess(regions=[4 * MIB], env=env) as target, NodeProcess(regions=[4 * MIB], env=env) as initiator:
+        assert write_and_check(initiator, target, target.session, 0, 0, 4 * MIB)["rc"] == 0
+        port = int(asyncio.run(request("127.0.0.1", rpc_port(target), MessageType.METADATA, {},
+                                       timeout=5.0))["tcp_data_port"])
+        served = data_connection_ccs(port)
+        out = subprocess.run(["ss", "-tinH", "state", "established", f"( dport = :{port} )"],
+                             capture_output=True, text=True, check=True, timeout=15).stdout
+        opened = congestion_controls(out)
+    assert len(served) >= 4 and len(opened) == len(served), (served, opened)  # 4 streams per peer
+    expected = "reno" if local_cc is None else host_default
+    assert set(served) == set(opened) == {expected}, (served, opened)
+
+
+def test_connections_between_hosts_keep_the_hosts_congestion_control(make_network):
+    require_tool("ss", "iproute2")
+    net = make_network(2)
+    target_host, peer_host = net.hosts
+    host_default = target_host.run("cat", "/proc/sys/net/ipv4/tcp_congestion_control").stdout.strip()
+    target = target_host.node(regions=[4 * MIB])
+    initiator = peer_host.node(regions=[4 * MIB])
+    try:
+        assert write_and_check(initiator, target, target.session, 0, 0, 4 * MIB)["rc"] == 0
+        port = data_port(peer_host, target_host.addr, rpc_port(target))
+        served = data_connection_ccs(port, run=target_host.run)
+        assert len(served) >= 4 and set(served) == {host_default}, (served, host_default)
+    finally:
+        initiator.close()
         target.close()
