@@ -78,7 +78,7 @@ class BenchOptions:
     streams: int = 4
     repeat: Optional[int] = None        # timed batches per trial; None: enough for target_bytes
     target_bytes: int = 256 * MiB       # bytes per trial when repeat is None
-    trials: int = 3                     # timed loops per row; the row reports the fastest
+    trials: int = 5                     # timed loops per row; the row reports the fastest
     max_repeat: int = 1000
     latency_n: int = 2000
     mooncake: bool = True

@@ -42,7 +42,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--transports", type=_csv(str), metavar="NAMES",
                        help="comma list of " + ", ".join(t.name for t in TRANSPORTS) + " (default all)")
     bench.add_argument("--repeat", type=int, help="timed batches per trial (default: enough for 256 MiB, at most 1000)")
-    bench.add_argument("--trials", type=int, help="timed trials per measurement, the fastest reported (default 3)")
+    bench.add_argument("--trials", type=int, help="timed trials per measurement, the fastest reported (default 5)")
     bench.add_argument("--latency-n", type=int, help="4 KiB sync writes in the latency test (default 2000)")
     bench.add_argument("--json", metavar="PATH", default="bench-results/bench.json", help="results file ('' for none)")
     bench.add_argument("--png", metavar="PATH", default="bench-results/bench.png",
