@@ -33,6 +33,7 @@ from typing import IO, Dict, List, Optional, Tuple
 from . import bench_baselines as bl
 from .bench_baselines import fmt_size
 from .bench_worker import WorkerProcess
+from .config import EngineConfig
 from .node import NodeError, NodeProcess
 
 __all__ = ["BenchOptions", "Transport", "TRANSPORTS", "run_bench", "parse_size", "fmt_size"]
@@ -75,7 +76,7 @@ class BenchOptions:
     batches: List[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BATCHES))
     ops: List[str] = dataclasses.field(default_factory=lambda: ["write", "read"])
     transports: List[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS])
-    streams: int = 4
+    streams: int = dataclasses.field(default_factory=lambda: EngineConfig.from_env().streams_per_peer)
     repeat: Optional[int] = None        # timed batches per trial; None: enough for target_bytes
     target_bytes: int = 256 * MiB       # bytes per trial when repeat is None
     trials: int = 5                     # timed loops per row; the row reports the fastest

@@ -37,7 +37,9 @@ def _add_bench_parser(sub) -> None:
                        help="block sizes, e.g. 4k,64k,1m,64m (default 4 KiB to 64 MiB, x4 steps)")
     bench.add_argument("--batch", type=_csv(int), metavar="COUNTS",
                        help="blocks per batch, e.g. 1,32,1024 (capped at 64 MiB per batch)")
-    bench.add_argument("--streams", type=int, default=4, help="data streams per peer (raw socket baseline too)")
+    bench.add_argument("--streams", type=int,
+                       help="data streams per peer, the raw socket baseline's too (default: the engine's, "
+                            "half the CPUs from 4 to 8)")
     bench.add_argument("--ops", type=_csv(str), default=["write", "read"], metavar="OPS", help="write,read")
     bench.add_argument("--transports", type=_csv(str), metavar="NAMES",
                        help="comma list of " + ", ".join(t.name for t in TRANSPORTS) + " (default all)")
@@ -55,13 +57,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, run_bench
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
-             "trials": args.trials, "latency_n": args.latency_n}
+             "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams}
     overrides = {k: v for k, v in given.items() if v is not None}
     bad_ops = set(args.ops) - {"write", "read"}
     if bad_ops or not args.ops:
         print(f"--ops takes write and/or read, not {','.join(sorted(bad_ops)) or 'nothing'}", file=sys.stderr)
         return 2
-    overrides.update(ops=args.ops, streams=args.streams, mooncake=not args.no_mooncake,
+    overrides.update(ops=args.ops, mooncake=not args.no_mooncake,
                      json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
     opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
     return run_bench(opts)
@@ -74,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--shape", action="append", type=_parse_shape, metavar="BLOCKxCOUNT",
                       help="block size and count, e.g. 4kx1024 or 64mx1 (repeatable)")
     demo.add_argument("--repeat", type=int, default=3, help="timed repetitions per shape")
-    demo.add_argument("--streams", type=int, default=4, help="data streams per peer")
+    demo.add_argument("--streams", type=int, help="data streams per peer (default: the engine's)")
     demo.add_argument("-v", "--verbose", action="store_true")
     sub.add_parser("version", help="print the package and core versions")
     sub.add_parser("metadata-server", add_help=False,

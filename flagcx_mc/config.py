@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Optional
 
-__all__ = ["EngineConfig", "mooncake_transfer_timeout"]
+__all__ = ["EngineConfig", "default_streams", "mooncake_transfer_timeout"]
 
 log = logging.getLogger("flagcx_mc.config")
 
@@ -34,13 +34,28 @@ def mooncake_transfer_timeout() -> float:
     return float(max(5, value)) if value is not None else 30.0
 
 
+def default_streams() -> int:
+    """Data connections per peer: half the CPUs this process may run on, from 4 up to 8.
+
+    On a target each stream's bytes are received by one thread (and on an initiator each
+    stream's read answers), so streams are how a transfer uses cores: on a 16-core host, 8
+    streams moved 1.8-2x the bytes of 4 for blocks of 16 KiB and more; 16 added little more
+    while doubling the threads per peer.  Two cores still get 4: fewer left idle gaps.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return min(8, max(4, cpus // 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine; ``from_env`` applies the environment, then keyword overrides."""
 
     transfer_timeout: float = 30.0       # seconds, before the per-byte allowance
     handshake_timeout: float = 5.0       # seconds for one handshake round trip or data connect
-    streams_per_peer: int = 4            # data connections per peer
+    streams_per_peer: int = dataclasses.field(default_factory=default_streams)  # data connections per peer
     slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
     wait_threads: int = 64               # executor threads that wait for completions (async API)
     secret: Optional[bytes] = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)

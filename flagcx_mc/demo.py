@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from .buffers import HostBuffer
 from .engine import AsyncTransferEngine
@@ -39,7 +39,7 @@ def _fmt_size(n: int) -> str:
     return f"{n} B"
 
 
-async def _demo(shapes: List[tuple], repeat: int, streams: int) -> List[DemoResult]:
+async def _demo(shapes: List[tuple], repeat: int, streams: Optional[int]) -> List[DemoResult]:
     region = max(b * c for b, c in shapes)
     results: List[DemoResult] = []
     local = HostBuffer(region)
@@ -89,7 +89,7 @@ async def _demo(shapes: List[tuple], repeat: int, streams: int) -> List[DemoResu
     return results
 
 
-def run_demo(shapes: List[tuple] = DEFAULT_SHAPES, repeat: int = 3, streams: int = 4) -> int:
+def run_demo(shapes: List[tuple] = DEFAULT_SHAPES, repeat: int = 3, streams: Optional[int] = None) -> int:
     """Run the demo and print a table; returns a process exit code (0 only if all verified)."""
     results = asyncio.run(_demo(shapes, repeat, streams))
     print(f"{'direction':<11} {'block':>9} {'count':>6} {'total':>9} {'GB/s':>7}  verified")

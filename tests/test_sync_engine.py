@@ -263,3 +263,15 @@ def test_stale_region_table_is_refreshed_behind_the_fast_path(tcp_engine):
         assert (peer["transfers"], peer["failures"], peer["bytes_written"], peer["bytes_read"]) == (3, 1, 4096 + (1 << 20), 0)
     finally:
         target.close()
+
+
+@pytest.mark.parametrize("cpus,streams", [(1, 4), (2, 4), (9, 4), (10, 5), (16, 8), (96, 8)])
+def test_default_streams_follow_the_cpus_this_process_may_use(monkeypatch, cpus, streams):
+    from flagcx_mc import config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.delenv("FLAGCX_MC_STREAMS", raising=False)
+    assert config.default_streams() == streams
+    assert config.EngineConfig.from_env().streams_per_peer == streams
+    monkeypatch.setenv("FLAGCX_MC_STREAMS", "3")
+    assert config.EngineConfig.from_env().streams_per_peer == 3

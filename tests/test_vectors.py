@@ -132,3 +132,26 @@ async def test_vectors_across_many_regions_both_ways(engine, local_buf):
         assert local_buf.digest(0, count * block) == sent
         assert target.call("stats")["vectors_served"] > before
         assert target.call("guards")["intact"]
+
+
+@pytest.mark.parametrize("streams,blocks,vectors", [(8, 1024, 8), (4, 1024, 4), (8, 64, 1), (8, 128, 2)])
+async def test_a_batch_of_small_blocks_puts_every_stream_to_work(node, local_buf, streams, blocks, vectors):
+    """A batch is cut into one share per stream (each stream's bytes are received by one target
+    thread), but never into shares under 256 KiB: 4 MiB of 4 KiB blocks is 8 vectors on 8 streams
+    (it was 4 runs of 1 MiB, leaving half the streams idle), 256 KiB stays on one stream."""
+    block = 4096
+    async with AsyncTransferEngine(transfer_timeout=10.0, streams_per_peer=streams) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, local_buf.size)
+        local = [local_buf.addr + i * block for i in range(blocks)]
+        remote = [node.addr(0, (blocks - 1 - i) * block) for i in range(blocks)]  # reversed: scattered
+        await eng.transfer_sync_write(node.session, local_buf.addr, node.addr(0), 1)  # connect outside the count
+        before = node.call("stats")
+        local_buf.fill_random(0, blocks * block)
+        await eng.batch_transfer_sync_write(node.session, local, remote, [block] * blocks)
+        after = node.call("stats")
+        for i in range(0, blocks, 97):
+            got = node.call("digest", region=0, offset=(blocks - 1 - i) * block, length=block)["digest"]
+            assert got == local_buf.digest(i * block, block), f"block {i}"
+    assert after["vectors_served"] - before["vectors_served"] == vectors
+    assert after["bytes_served_in"] - before["bytes_served_in"] == blocks * block
