@@ -39,7 +39,7 @@ def default_streams() -> int:
 
     On a target each stream's bytes are received by one thread (and on an initiator each
     stream's read answers), so streams are how a transfer uses cores: on a 16-core host, 8
-    streams moved 1.8-2x the bytes of 4 for blocks of 16 KiB and more; 16 added little more
+    streams moved 1.3-2.2x the bytes of 4 for blocks of 16 KiB and more; 16 added little more
     while doubling the threads per peer.  Two cores still get 4: fewer left idle gaps.
     """
     try:
