@@ -34,6 +34,33 @@ def mooncake_transfer_timeout() -> float:
     return float(max(5, value)) if value is not None else 30.0
 
 
+_CC_DIR = "/proc/sys/net/ipv4"
+
+
+def check_local_congestion_control() -> Optional[str]:
+    """Why FLAGCX_MC_LOCAL_CC cannot take effect, or None.
+
+    The core sets it on each connection within this host and ignores a refusal (the connection
+    then keeps the host's default), so a misspelt or unavailable name is reported here, where it
+    can be logged.
+    """
+    name = os.environ.get("FLAGCX_MC_LOCAL_CC")
+    if not name:
+        return None
+    try:
+        with open(os.path.join(_CC_DIR, "tcp_available_congestion_control")) as f:
+            available = f.read().split()
+        with open(os.path.join(_CC_DIR, "tcp_allowed_congestion_control")) as f:
+            allowed = f.read().split()
+    except OSError:
+        return None  # not Linux, or no procfs: nothing to check against
+    if name not in available:
+        return f"FLAGCX_MC_LOCAL_CC={name!r} is not an available congestion control ({' '.join(available)})"
+    if name not in allowed and os.geteuid() != 0:
+        return f"FLAGCX_MC_LOCAL_CC={name!r} is not allowed to unprivileged processes ({' '.join(allowed)})"
+    return None
+
+
 def default_streams() -> int:
     """Data connections per peer: half the CPUs this process may run on, from 4 up to 8.
 
@@ -81,6 +108,9 @@ class EngineConfig:
             values["secret"] = values["secret"].encode()
         config = cls(**values)
         config.validate()
+        problem = check_local_congestion_control()
+        if problem:
+            log.warning("%s; connections within this host keep the host's default", problem)
         return config
 
     def validate(self) -> None:

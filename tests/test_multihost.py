@@ -416,3 +416,16 @@ def test_connections_between_hosts_keep_the_hosts_congestion_control(make_networ
     finally:
         initiator.close()
         target.close()
+
+
+def test_an_unavailable_local_congestion_control_is_reported(monkeypatch, caplog):
+    from flagcx_mc.config import EngineConfig, check_local_congestion_control
+
+    monkeypatch.setenv("FLAGCX_MC_LOCAL_CC", "no-such-cc")
+    assert "not an available congestion control" in check_local_congestion_control()
+    with caplog.at_level("WARNING", logger="flagcx_mc.config"):
+        EngineConfig.from_env()
+    assert "FLAGCX_MC_LOCAL_CC='no-such-cc'" in caplog.text
+    for fine in ("reno", ""):
+        monkeypatch.setenv("FLAGCX_MC_LOCAL_CC", fine)
+        assert check_local_congestion_control() is None
