@@ -41,6 +41,47 @@ static int element_u64(PyObject *v, int list, Py_ssize_t i, uint64_t *out)
     return 0;
 }
 
+/* A plain int of up to two digits (below 2**60 with CPython's 30-bit digits: every address and
+ * length in practice) read straight from its digits, on the CPython versions whose layout is
+ * known here: ~4x faster than PyLong_AsLongLongAndOverflow, which for 3 x 1024 elements was
+ * ~30 us of every call on a small VM. Returns 0 where it cannot tell (the caller converts). */
+static inline int small_int_u64(PyObject *v, uint64_t *out)
+{
+#if PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030F0000 && !defined(Py_LIMITED_API)
+    const PyLongObject *l = (const PyLongObject *)v;
+    uintptr_t tag = l->long_value.lv_tag; /* digit count << 3 | sign (0 +, 1 zero, 2 -) */
+    size_t ndigits = (size_t)(tag >> 3);
+    const digit *d = l->long_value.ob_digit;
+    if ((tag & 3) == 2)
+        return 0;
+#elif PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API)
+    Py_ssize_t size = Py_SIZE(v); /* digit count, negative for negative numbers */
+    size_t ndigits = (size_t)size;
+    const digit *d = ((const PyLongObject *)v)->ob_digit;
+    if (size < 0)
+        return 0;
+#else
+    (void)v;
+    (void)out;
+    return 0;
+#endif
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030F0000 && !defined(Py_LIMITED_API)
+    if (ndigits == 0) {
+        *out = 0;
+        return 1;
+    }
+    if (ndigits == 1) {
+        *out = d[0];
+        return 1;
+    }
+    if (ndigits == 2 && 2 * PyLong_SHIFT <= 63) {
+        *out = (uint64_t)d[0] | (uint64_t)d[1] << PyLong_SHIFT;
+        return 1;
+    }
+    return 0;
+#endif
+}
+
 /* Lengths (list 2) are summed as they are packed. */
 static inline void continue_total(int list, uint64_t x, uint64_t *total, int *overflow)
 {
@@ -85,6 +126,10 @@ static PyObject *pack3(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *v = items[i];
             if (PyLong_CheckExact(v)) { /* the common case: a plain int below 2**63 */
+                if (small_int_u64(v, &row[i])) {
+                    continue_total(k, row[i], &total, &overflow);
+                    continue;
+                }
                 int over = 0;
                 long long x = PyLong_AsLongLongAndOverflow(v, &over);
                 if (over == 0 && x >= 0) {

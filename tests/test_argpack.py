@@ -110,3 +110,28 @@ def test_single_range_is_checked_like_the_lists(args, message):
     assert isinstance(TransferRequest.single(0, 1, 2, 3), SingleTransfer)
     with pytest.raises(InvalidArgumentError, match=message):
         TransferRequest.single(0, *args)
+
+
+EDGES = [0, 1, 2**15 - 1, 2**15, 2**30 - 1, 2**30, 2**31, 2**45 + 12345, 2**60 - 1, 2**60, 2**62,
+         2**63 - 1, 2**63, 2**64 - 1]
+
+
+@pytest.mark.parametrize("value", EDGES)
+def test_digit_boundaries_pack_exactly(value):
+    """Plain ints of one or two digits are read from their digits; wider ones are converted:
+    both sides of every digit boundary, and an int subclass, must pack the same value."""
+
+    class Address(int):
+        pass
+
+    packed, n, total = pack3([value, Address(value)], [value, value], [value, 0])
+    assert list(array.array("Q", bytes(packed))) == [value, value, value, value, value, 0]
+    assert total == value
+
+
+@pytest.mark.parametrize("value", [-1, -(2**30), -(2**60), -(2**64)])
+def test_negative_ints_of_any_width_are_refused(value):
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 2\*\*64\)"):
+        pack3([0], [0], [value])
+    with pytest.raises(ValueError, match=r"buffers must lie in \[0, 2\*\*64\)"):
+        pack3([value], [0], [1])
