@@ -241,11 +241,13 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
     memset(per_stream, 0, sizeof per_stream);
     int stream = start_stream(p, total);
     uint64_t run_bytes = stream_run_bytes(p, total), run = 0;
+    uint64_t first_id = atomic_fetch_add(&p->next_id, nslices); /* one atomic per batch, not per slice */
     int k = 0;
     for (int i = 0; i < n; i++) {
         b->task_status[i] = lens[i] ? FMC_TASK_PENDING : FMC_OK;
         for (uint64_t off = 0; off < lens[i]; off += p->slice_size) {
-            fmc_slice *s = &b->slices[k++];
+            fmc_slice *s = &b->slices[k];
+            s->id = first_id + (uint64_t)k++;
             s->batch = b;
             s->task = i;
             s->local = local[i] + off;
@@ -253,7 +255,6 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             s->len = lens[i] - off < p->slice_size ? lens[i] - off : p->slice_size;
             s->key = keys[i];
             s->local_dev = ldev[i];
-            s->id = atomic_fetch_add(&p->next_id, 1);
             b->task_remaining[i]++;
             b->bytes += s->len;
             fmc_slice_list *l = &per_stream[stream];
