@@ -322,7 +322,7 @@ static int link_is_local(int fd)
 
 /* A connection within this host never meets a network, so congestion control has nothing to
  * control; BBR (the default on many hosts, this VM's too) still paces every send with timers,
- * which cost 10-15 % of loopback throughput on 2 cores. Such connections use reno (always built
+ * which cost 9-37 % of loopback throughput on 2 cores. Such connections use reno (always built
  * in, and allowed to unprivileged processes); FLAGCX_MC_LOCAL_CC names another, or "" keeps the
  * host's default. Connections to other hosts keep the host's choice. */
 static void use_local_congestion_control(int fd)
