@@ -57,6 +57,12 @@ def _run(argv: List[str], *, check: bool = True, input: Optional[str] = None,
     return proc
 
 
+def run_tool(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    """A system tool run on this machine itself (outside any test namespace), as ``_run`` runs
+    them: without a preloaded sanitizer runtime."""
+    return _run(list(argv), check=check)
+
+
 def _ip(*args: str, ns: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess:
     return _run(["ip"] + (["-n", ns] if ns else []) + list(args), check=check)
 

@@ -14,7 +14,6 @@ import os
 import re
 import select
 import signal
-import subprocess
 import threading
 import time
 from typing import List, Optional
@@ -23,7 +22,7 @@ import pytest
 
 from flagcx_mc.handshake import MessageType, request
 from flagcx_mc.node import NodeProcess
-from netns import Host, enter_netns, require_tool
+from netns import Host, enter_netns, require_tool, run_tool
 
 MIB = 1 << 20
 ECONN, ETIMEOUT = -102, -105
@@ -372,11 +371,9 @@ def congestion_controls(ss_output: str) -> List[str]:
     return [word for word in ss_output.split() if word in known]
 
 
-def data_connection_ccs(port: int, run=None) -> List[str]:
-    argv = ["ss", "-tinH", "state", "established", f"( sport = :{port} )"]
-    out = run(*argv).stdout if run else subprocess.run(argv, capture_output=True, text=True, check=True,
-                                                       timeout=15).stdout
-    return congestion_controls(out)
+def data_connection_ccs(port: int, run=run_tool, side: str = "sport") -> List[str]:
+    """Congestion controls of the established sockets whose ``side`` (sport/dport) is ``port``."""
+    return congestion_controls(run("ss", "-tinH", "state", "established", f"( {side} = :{port} )").stdout)
 
 
 @pytest.mark.parametrize("local_cc", [None, ""], ids=["default-reno", "kept-host-default"])
@@ -393,9 +390,7 @@ def test_connections_within_one_host_run_unpaced(local_cc):
         port = int(asyncio.run(request("127.0.0.1", rpc_port(target), MessageType.METADATA, {},
                                        timeout=5.0))["tcp_data_port"])
         served = data_connection_ccs(port)
-        out = subprocess.run(["ss", "-tinH", "state", "established", f"( dport = :{port} )"],
-                             capture_output=True, text=True, check=True, timeout=15).stdout
-        opened = congestion_controls(out)
+        opened = data_connection_ccs(port, side="dport")
     assert len(served) >= 4 and len(opened) == len(served), (served, opened)  # 4 streams per peer
     expected = "reno" if local_cc is None else host_default
     assert set(served) == set(opened) == {expected}, (served, opened)
