@@ -409,6 +409,11 @@ def print_report(result: dict, out=sys.stdout) -> None:
             print(f"{name}: {info['reason']}", file=out)
     for name, reason in result["baselines_missing"].items():
         print(f"baseline {name}: not available ({reason})", file=out)
+    host, options = result.get("host", {}), result.get("options", {})
+    if options.get("streams"):
+        print(f"TCP: {options['streams']} streams per peer (the raw socket too); congestion control within "
+              f"this host {host.get('local_congestion_control')}, host default {host.get('tcp_congestion_control')} "
+              f"(Mooncake's)", file=out)
     print("", file=out)
     for t in result["targets"]:
         measured = "" if t["measured"] is None else f"{t['measured']:.2f} (threshold {t['threshold']})"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flagcx_mc import bench, bench_baselines as bl, errors
+from flagcx_mc.config import EngineConfig
 from flagcx_mc._fmc_cffi import ffi, lib
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,6 +72,11 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all transfers verified by sha256" in proc.stdout
     assert data["schema"] == bench.SCHEMA and data["verified"] is True and data["errors"] == []
+    # The engine's stream count (the raw socket's too) and the congestion controls are stated.
+    streams = data["options"]["streams"]
+    assert streams == EngineConfig.from_env().streams_per_peer
+    assert f"TCP: {streams} streams per peer (the raw socket too)" in proc.stdout
+    assert data["host"]["local_congestion_control"] and data["host"]["tcp_congestion_control"]
     for key in ("started", "host", "options", "transports", "baselines", "baselines_missing", "rows", "latency",
                 "targets"):
         assert key in data, key
