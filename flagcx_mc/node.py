@@ -19,6 +19,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .buffers import DeviceBuffer, HostBuffer
+from .netaddr import format_host_port
 
 __all__ = ["NodeProcess", "GUARD_BYTES", "GUARD_VALUE"]
 
@@ -66,7 +67,7 @@ class _Node:
         for size in regions:
             self.add_region(size)
         # P2P names are host:rpc_port; with a metadata server the name is `host` as given.
-        session = f"{host}:{self.engine.get_rpc_port()}" if metadata_server == "P2PHANDSHAKE" else host
+        session = format_host_port(host, self.engine.get_rpc_port()) if metadata_server == "P2PHANDSHAKE" else host
         return {"session": session, "pid": os.getpid(), "regions": [[r.addr, r.size] for r in self.regions]}
 
     def add_region(self, size: int, register: bool = True, device: Optional[int] = None, vmm_chunk: int = 0,

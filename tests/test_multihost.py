@@ -14,6 +14,7 @@ import os
 import re
 import select
 import signal
+import socket
 import threading
 import time
 from typing import List, Optional
@@ -376,18 +377,31 @@ def data_connection_ccs(port: int, run=run_tool, side: str = "sport") -> List[st
     return congestion_controls(run("ss", "-tinH", "state", "established", f"( {side} = :{port} )").stdout)
 
 
-@pytest.mark.parametrize("local_cc", [None, ""], ids=["default-reno", "kept-host-default"])
-def test_connections_within_one_host_run_unpaced(local_cc):
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host,local_cc", [("127.0.0.1", None), ("127.0.0.1", ""), ("::1", None)],
+                         ids=["default-reno", "kept-host-default", "ipv6-reno"])
+def test_connections_within_one_host_run_unpaced(host, local_cc):
     """Loopback data connections use reno (BBR's pacing costs throughput where there is no
     network); FLAGCX_MC_LOCAL_CC="" keeps the host's default. Both ends are checked (the target's
     accepted sockets and the initiator's connected ones), after a verified transfer."""
     require_tool("ss", "iproute2")
+    if ":" in host and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine")
     with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
         host_default = f.read().strip()
     env = {} if local_cc is None else {"FLAGCX_MC_LOCAL_CC": local_cc}
-    with NodeProcess(regions=[4 * MIB], env=env) as target, NodeProcess(regions=[4 * MIB], env=env) as initiator:
+    with NodeProcess(host=host, regions=[4 * MIB], env=env) as target, \
+            NodeProcess(host=host, regions=[4 * MIB], env=env) as initiator:
         assert write_and_check(initiator, target, target.session, 0, 0, 4 * MIB)["rc"] == 0
-        port = int(asyncio.run(request("127.0.0.1", rpc_port(target), MessageType.METADATA, {},
+        port = int(asyncio.run(request(host, rpc_port(target), MessageType.METADATA, {},
                                        timeout=5.0))["tcp_data_port"])
         served = data_connection_ccs(port)
         opened = data_connection_ccs(port, side="dport")
