@@ -33,7 +33,7 @@ from typing import IO, Dict, List, Optional, Tuple
 from . import bench_baselines as bl
 from .bench_baselines import fmt_size
 from .bench_worker import WorkerProcess
-from .config import EngineConfig
+from .config import EngineConfig, host_congestion_control, local_congestion_control
 from .node import NodeError, NodeProcess
 
 __all__ = ["BenchOptions", "Transport", "TRANSPORTS", "run_bench", "parse_size", "fmt_size"]
@@ -479,17 +479,12 @@ def _host_info() -> dict:
         mooncake_version = f"{dists[0]} {version(dists[0])}" if dists else None
     except Exception:  # metadata is informative only
         pass
-    # Loopback connections of flagcx_mc and of the raw-socket limit use FLAGCX_MC_LOCAL_CC (reno
-    # by default); Mooncake's use the host's default, recorded here.
-    try:
-        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
-            host_cc = f.read().strip()
-    except OSError:
-        host_cc = None
+    # Loopback connections of flagcx_mc and of the raw-socket limit use the local congestion
+    # control; Mooncake's use the host's default.
     return {"cpus": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
             "python": platform.python_version(), "flagcx_mc": flagcx_mc.__version__, "mooncake": mooncake_version,
-            "loadavg_at_start": list(os.getloadavg()), "tcp_congestion_control": host_cc,
-            "local_congestion_control": os.environ.get("FLAGCX_MC_LOCAL_CC", "reno") or host_cc}
+            "loadavg_at_start": list(os.getloadavg()), "tcp_congestion_control": host_congestion_control(),
+            "local_congestion_control": local_congestion_control()}
 
 
 def run_bench(opts: BenchOptions) -> int:

@@ -35,6 +35,26 @@ def mooncake_transfer_timeout() -> float:
 
 
 _CC_DIR = "/proc/sys/net/ipv4"
+LOCAL_CC_DEFAULT = "reno"  # what the core (fmc_util.c) uses within this host when the variable is unset
+
+
+def _kernel_tcp_setting(name: str) -> Optional[str]:
+    """A /proc/sys/net/ipv4 value, or None where there is none (not Linux, no procfs)."""
+    try:
+        with open(os.path.join(_CC_DIR, name)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def host_congestion_control() -> Optional[str]:
+    """The host's default TCP congestion control (what connections to other hosts use)."""
+    return _kernel_tcp_setting("tcp_congestion_control")
+
+
+def local_congestion_control() -> Optional[str]:
+    """The congestion control the core asks for on connections within this host."""
+    return os.environ.get("FLAGCX_MC_LOCAL_CC", LOCAL_CC_DEFAULT) or host_congestion_control()
 
 
 def check_local_congestion_control() -> Optional[str]:
@@ -47,13 +67,11 @@ def check_local_congestion_control() -> Optional[str]:
     name = os.environ.get("FLAGCX_MC_LOCAL_CC")
     if not name:
         return None
-    try:
-        with open(os.path.join(_CC_DIR, "tcp_available_congestion_control")) as f:
-            available = f.read().split()
-        with open(os.path.join(_CC_DIR, "tcp_allowed_congestion_control")) as f:
-            allowed = f.read().split()
-    except OSError:
-        return None  # not Linux, or no procfs: nothing to check against
+    available = _kernel_tcp_setting("tcp_available_congestion_control")
+    allowed = _kernel_tcp_setting("tcp_allowed_congestion_control")
+    if available is None or allowed is None:
+        return None  # nothing to check against
+    available, allowed = available.split(), allowed.split()
     if name not in available:
         return f"FLAGCX_MC_LOCAL_CC={name!r} is not an available congestion control ({' '.join(available)})"
     if name not in allowed and os.geteuid() != 0:
