@@ -168,6 +168,28 @@ def test_ratios_use_the_limit_measured_beside_the_row():
     assert old[0]["ratios"]["raw socket"] == 0.25
 
 
+def test_a_target_also_shows_its_worst_row_between_median_trials():
+    """One fast raw-socket trial can decide a best-against-best ratio; the median trials show it."""
+    row = {"transport": "tcp", "engine": "flagcx_mc", "op": "write", "block": 4096, "count": 1024, "gbps": 5.9,
+           "trials_gbps": [5.9, 5.7, 5.8, 5.9, 5.7], "verified": True, "ratios": {}, "cpu_s_per_gib": None}
+    raw = {"name": "raw socket", "op": "write", "block": 4096, "count": 1024, "gbps": 7.1,
+           "trials_gbps": [7.1, 6.4, 5.5, 6.2, 6.6]}
+    bl.add_ratios([row], [raw], {"tcp": "raw socket"})
+    assert row["ratios"]["raw socket"] == pytest.approx(5.9 / 7.1)
+    assert row["median_ratios"]["raw socket"] == pytest.approx(5.8 / 6.4)
+    avail = {"tcp": {"available": True}}
+    target = {t["name"]: t for t in bl.evaluate_targets([row], [], avail)}[
+        "native TCP >= 85% of the raw socket (same streams)"]
+    assert target["status"] == "MISS"  # the verdict still compares the fastest trials
+    assert target["measured_median"] == pytest.approx(5.8 / 6.4)
+    assert target["detail"].endswith("median trials 0.91")
+    # A limit without trials (older results) gives no median ratio, and no suffix.
+    old = dict(row, ratios={}, median_ratios={})
+    bl.add_ratios([old], [dict(raw, trials_gbps=None)], {"tcp": "raw socket"})
+    assert old["median_ratios"]["raw socket"] is None
+    assert "median" not in bl.evaluate_targets([old], [], avail)[1]["detail"]
+
+
 def test_targets_report_the_worst_row():
     rows = [
         {"transport": "tcp", "op": "write", "block": b, "count": 4, "verified": True,
