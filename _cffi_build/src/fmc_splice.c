@@ -5,7 +5,7 @@
  *
  * The pages are read when the receiver copies them, after the send returned, so a caller may
  * only hand over memory that stays put until the receiver has its copy:
- * - write payloads (fmc_peer.c): the caller leaves its source alone until the call completes,
+ * - write payloads (fmc_stream.c): the caller leaves its source alone until the call completes,
  *   and completion comes only after the target has read every byte;
  * - read answers (fmc_server.c): the target keeps the regions pinned until the initiator
  *   acknowledges the answers, and resets the connection before letting unacknowledged ones go

@@ -1,0 +1,776 @@
+/* Initiator side, one data stream: a sender thread gathers queued slices into sendmsg (or the
+ * calling thread sends them itself when the stream is idle), a receiver thread consumes answers
+ * in order and reads read-payloads straight into local memory.  A slice is only declared
+ * finished once no thread touches its memory any more: that is what lets a timed-out call
+ * return with its buffers free.  The peer (fmc_peer.c) creates, connects and closes streams. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+#include "fmc_wire.h"
+
+static void list_push(fmc_slice_list *l, fmc_slice *s)
+{
+    s->next = NULL;
+    if (l->tail)
+        l->tail->next = s;
+    else
+        l->head = s;
+    l->tail = s;
+}
+
+static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
+{
+    if (!src->head)
+        return;
+    if (dst->tail)
+        dst->tail->next = src->head;
+    else
+        dst->head = src->head;
+    dst->tail = src->tail;
+    src->head = src->tail = NULL;
+}
+
+static void wake_receiver(fmc_stream *st)
+{
+    uint64_t one = 1;
+    if (st->wake_fd >= 0 && write(st->wake_fd, &one, sizeof one) < 0) {
+        /* EAGAIN only: the counter is already non-zero, so the receiver wakes anyway */
+    }
+}
+
+/* Called by each stream thread as it leaves; the last one out fails whatever is left, which is
+ * safe because neither thread can touch slice memory any more. */
+static void stream_thread_exit(fmc_stream *st)
+{
+    fmc_slice_list left = {0};
+    pthread_mutex_lock(&st->mu);
+    if (!st->dead) {
+        st->dead = 1;
+        if (st->fd >= 0)
+            shutdown(st->fd, SHUT_RDWR);
+    }
+    pthread_cond_broadcast(&st->cv);
+    wake_receiver(st);
+    if (--st->threads_alive == 0) {
+        while (st->sending_active) /* an inline sender still in sendmsg: shutdown ends it soon */
+            pthread_cond_wait(&st->cv, &st->mu);
+        /* Neither thread uses the socket any more: close it now, abortively.  After shutdown()
+         * the receiver drains what is queued and a plain close() then sends only a FIN while our
+         * window stays shut, which leaves a target blocked in sendmsg (read answers) on a
+         * CLOSE-WAIT socket for minutes; the RST ends it at once.  kill/close read fd under mu. */
+        if (st->fd >= 0) {
+            struct linger lg = {.l_onoff = 1, .l_linger = 0};
+            setsockopt(st->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+            close(st->fd);
+            st->fd = -1;
+        }
+        list_append(&left, &st->receiving);
+        list_append(&left, &st->inflight);
+        list_append(&left, &st->answered); /* empty in practice: the sender drains it */
+        list_append(&left, &st->pending);
+    }
+    pthread_mutex_unlock(&st->mu);
+    fmc_slices_finish(left.head, FMC_ERR_SOCKET);
+}
+
+static void kill_locked(fmc_stream *st)
+{
+    st->dead = 1;
+    if (st->fd >= 0)
+        shutdown(st->fd, SHUT_RDWR);
+    pthread_cond_broadcast(&st->cv);
+    wake_receiver(st);
+}
+
+void fmc_stream_kill(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    kill_locked(st);
+    pthread_mutex_unlock(&st->mu);
+}
+
+/* Remember whether the batch now queued is bulk (see fmc_stream's recv_in). */
+static void note_batch_size(fmc_stream *st, const fmc_slice_list *list)
+{
+    if (list->head)
+        st->bulk = list->head->batch->bytes > FMC_SMALL_TRANSFER_BYTES;
+}
+
+int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
+{
+    pthread_mutex_lock(&st->mu);
+    if (st->dead) {
+        pthread_mutex_unlock(&st->mu);
+        return FMC_ERR_SOCKET;
+    }
+    note_batch_size(st, list);
+    list_append(&st->pending, list);
+    pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+    return FMC_OK;
+}
+
+/* Consumed zero-copy answers are acknowledged with the next request, or on their own once this
+ * many are owed (the target holds at most 256; fmc_server.c) or the stream has been idle for
+ * ZC_ACK_IDLE_MS.  Back-to-back batches thus carry their acks for free, instead of waking the
+ * sender thread, and the target's thread, at the end of every batch; an idle stream still
+ * acknowledges well within unregister's 200 ms grace. */
+#define ZC_ACK_EVERY 64
+#define ZC_ACK_IDLE_MS 2
+
+static int ack_due(const fmc_stream *st)
+{
+    return st->zc_owed && (st->zc_owed >= ZC_ACK_EVERY || st->zc_ack_idle);
+}
+
+/* The receive side, with st->mu held: an acknowledgement due while no round is running goes out
+ * from the sender thread (a running round's end sees it and wakes that thread). */
+static void send_ack_if_due_locked(fmc_stream *st)
+{
+    if (ack_due(st) && !st->sending_active)
+        pthread_cond_signal(&st->cv);
+}
+
+typedef struct send_scratch {
+    uint8_t hdr[FMC_IOV_MAX][FMC_REQ_SIZE];
+    uint8_t ack[FMC_REQ_SIZE];
+    uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
+    struct iovec iov[FMC_IOV_MAX];
+    uint8_t zc[FMC_IOV_MAX];        /* iov[i] may go out zero-copy (fmc_splice.c) */
+    fmc_slice *writes[FMC_IOV_MAX]; /* write slices of the current sendmsg */
+    uint64_t copy_dst[FMC_IOV_MAX], copy_src[FMC_IOV_MAX]; /* its GPU sources' staging copies */
+    size_t copy_len[FMC_IOV_MAX];
+} send_scratch;
+
+/* A write payload that may leave zero-copy (fmc_splice.c): host memory (GPU sources are staged
+ * in a buffer the next round reuses), large enough to pay for the extra syscalls, and to our own
+ * targets, which check for a reset before it lands. */
+static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
+{
+    return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
+}
+
+/* Small slices of one batch travel as vectors when the target takes them: writes from host or
+ * GPU memory (GPU sources are staged like any other, stage_gpu_sources), reads into host memory
+ * only (a vector's payloads are scattered by one recvmsg, which cannot write GPU memory). */
+static int vectorizable(const fmc_peer *p, const fmc_slice *s)
+{
+    return p->vectors && s->len <= FMC_VEC_ENTRY_MAX && (s->local_dev < 0 || s->batch->opcode == FMC_OP_WRITE);
+}
+
+/* How many slices from s on can form one vector, within this round's limits. */
+static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int nentries, size_t bytes)
+{
+    int is_write = s->batch->opcode == FMC_OP_WRITE, k = 0;
+    for (const fmc_slice *x = s; x && k < FMC_VEC_MAX && x->batch == s->batch && vectorizable(p, x); x = x->next) {
+        if (nentries + k + 1 > FMC_IOV_MAX || (is_write && niov + 2 + k + 1 > FMC_IOV_MAX) ||
+            (k > 0 && bytes >= FMC_COALESCE_BYTES))
+            break;
+        if (is_write)
+            bytes += x->len;
+        k++;
+    }
+    return k;
+}
+
+/* One request header in the peer's framing; returns its length. */
+static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_t out[FMC_REQ_SIZE])
+{
+    if (proto == FMC_PROTO_MOONCAKE) {
+        uint8_t op = (uint8_t)((is_write ? FMC_MC_OP_WRITE : FMC_MC_OP_READ) | FMC_MC_V2_FLAG);
+        fmc_mc_hdr_encode(out, s->len, s->remote, op);
+        return FMC_MC_HDR_SIZE;
+    }
+    fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ,
+                 .key = s->key, .id = s->id, .addr = s->remote, .len = s->len};
+    fmc_req_encode(out, &q);
+    return FMC_REQ_SIZE;
+}
+
+/* GPU sources cannot go to sendmsg: copy them into the stream's host staging buffer and point
+ * their iovecs there.  The round owns the staging buffer (sending_active). */
+static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
+{
+    size_t need = 0;
+    for (int i = 0; i < nw; i++)
+        if (sc->writes[i]->local_dev >= 0)
+            need += sc->writes[i]->len;
+    if (!need)
+        return 0;
+    if (fmc_staging_reserve(&st->send_stage, need) != 0)
+        return -1;
+    /* Queue every copy of the round (runs of one device as one batch, contiguous sources merged
+     * into one copy, since the staging side is contiguous), then wait once per device used. */
+    size_t off = 0;
+    int rc = 0, n = 0, run_dev = -1;
+    uint64_t devices = 0; /* bit per GPU ordinal < 64 that got copies */
+    for (int i = 0, v = 0; v < niov && i < nw; v++) {
+        fmc_slice *s = sc->writes[i];
+        if (sc->iov[v].iov_base != (void *)(uintptr_t)s->local || sc->iov[v].iov_len != s->len)
+            continue; /* a header or a vector table */
+        if (s->local_dev >= 0) {
+            if (n > 0 && s->local_dev != run_dev) {
+                rc |= fmc_cuda_copy_many_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev);
+                n = 0;
+            }
+            run_dev = s->local_dev;
+            uint8_t *dst = st->send_stage.buf + off;
+            sc->copy_dst[n] = (uint64_t)(uintptr_t)dst;
+            sc->copy_src[n] = s->local;
+            sc->copy_len[n++] = (size_t)s->len;
+            devices |= 1ull << (s->local_dev & 63);
+            sc->iov[v].iov_base = dst;
+            off += s->len;
+        }
+        i++;
+    }
+    if (n > 0)
+        rc |= fmc_cuda_copy_many_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev);
+    for (int d = 0; d < 64; d++)
+        if ((devices >> d) & 1)
+            rc |= fmc_cuda_wait(d);
+    return rc == 0 ? 0 : -1;
+}
+
+/* One send round: gather queued slices (and owed acknowledgements) into one sendmsg and send
+ * it.  Called with st->mu held, pending non-empty or an acknowledgement due, and no other round
+ * in progress; returns with st->mu held.  The slices move
+ * to `inflight` before the first byte leaves, because their answers may come back before
+ * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
+static int send_round(fmc_stream *st, int64_t deadline_ms)
+{
+    if (!st->scratch && !(st->scratch = malloc(sizeof *st->scratch)))
+        return -1;
+    send_scratch *sc = st->scratch;
+    int niov = 0, nh = 0, nw = 0, nent = 0, nzc = 0;
+    size_t bytes = 0;
+    st->sending_active = 1;
+    if (st->zc_owed && st->peer->proto == FMC_PROTO_NATIVE) {
+        fmc_req ack = {.opcode = FMC_WIRE_OP_ACK, .len = st->zc_owed};
+        fmc_req_encode(sc->ack, &ack);
+        st->zc_owed = 0;
+        st->zc_ack_idle = 0;
+        sc->zc[niov] = 0;
+        sc->iov[niov++] = (struct iovec){.iov_base = sc->ack, .iov_len = FMC_REQ_SIZE};
+    }
+    fmc_slice *first_sent = st->pending.head;
+    while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
+        fmc_slice *s = st->pending.head;
+        int is_write = s->batch->opcode == FMC_OP_WRITE;
+        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes) : 1;
+        if (k >= 2) {
+            /* One header, the table of k entries, then (writes) the k payloads. */
+            uint8_t *table = sc->table[nent];
+            uint64_t sum = 0;
+            for (int j = 0; j < k; j++) {
+                fmc_slice *x = st->pending.head;
+                st->pending.head = x->next;
+                list_push(&st->inflight, x);
+                x->vec_n = j == 0 ? k : 1;
+                fmc_vec_entry_encode(sc->table[nent++], x->key, x->remote, x->len);
+                sum += x->len;
+            }
+            if (!st->pending.head)
+                st->pending.tail = NULL;
+            fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITEV : FMC_WIRE_OP_READV, .key = (uint32_t)k,
+                         .id = s->id, .addr = 0, .len = sum};
+            fmc_req_encode(sc->hdr[nh], &q);
+            sc->zc[niov] = sc->zc[niov + 1] = 0;
+            sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
+            sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
+            bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
+            int dev = -1; /* a GPU source's, if any (staged: the vector is copied) */
+            const fmc_slice *y = s;
+            for (int j = 0; is_write && j < k; j++, y = y->next) /* linked in order on `inflight` */
+                dev = y->local_dev >= 0 ? y->local_dev : dev;
+            int zc = is_write && zero_copy_payload(st, dev, sum);
+            nzc += zc;
+            for (fmc_slice *x = s; is_write && k--; x = x->next) {
+                sc->zc[niov] = (uint8_t)zc;
+                sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = x->len};
+                bytes += x->len;
+                x->sending = 1;
+                sc->writes[nw++] = x;
+            }
+            continue;
+        }
+        st->pending.head = s->next;
+        if (!st->pending.head)
+            st->pending.tail = NULL;
+        list_push(&st->inflight, s);
+        s->vec_n = 1;
+        size_t hlen = encode_request(st->peer->proto, s, is_write, sc->hdr[nh]);
+        sc->zc[niov] = 0;
+        sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
+        bytes += hlen;
+        if (is_write) {
+            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s->local_dev, s->len);
+            nzc += sc->zc[niov];
+            sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
+            bytes += s->len;
+            s->sending = 1;
+            sc->writes[nw++] = s;
+        }
+    }
+    if (first_sent && st->recv_parked && !st->caller_recv && !st->recv_in)
+        wake_receiver(st); /* answers will come: before the first byte leaves */
+    int fd = st->fd;
+    pthread_mutex_unlock(&st->mu);
+    int rc = stage_gpu_sources(st, sc, niov, nw);
+    if (rc == 0 && deadline_ms >= 0)
+        rc = fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
+    else if (rc == 0)
+        rc = nzc && fmc_zc_enabled() ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
+    pthread_mutex_lock(&st->mu);
+    /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
+     * set, so the pointers are still valid; the ones already answered are ours to finish. */
+    for (int i = 0; i < nw; i++)
+        sc->writes[i]->sending = 0;
+    st->sending_active = 0;
+    /* Wake the sender thread only for queued work, and an exit path waiting to close fd: a
+     * needless wake-up per inline call costs the caller a context switch on a small machine. */
+    if (st->pending.head || st->dead || ack_due(st))
+        pthread_cond_broadcast(&st->cv);
+    if (st->answered.head) {
+        fmc_slice *s = st->answered.head;
+        st->answered.head = st->answered.tail = NULL;
+        pthread_mutex_unlock(&st->mu);
+        fmc_slices_finish(s, FMC_TASK_PENDING); /* each with its parked answer_status */
+        pthread_mutex_lock(&st->mu);
+    }
+    return rc;
+}
+
+void *fmc_stream_send_main(void *arg)
+{
+    fmc_stream *st = arg;
+    /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
+     * process (EPIPE is enough); a signal left pending on this thread dies with it. */
+    sigset_t pipe_signal;
+    sigemptyset(&pipe_signal);
+    sigaddset(&pipe_signal, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        while (!st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
+            pthread_cond_wait(&st->cv, &st->mu);
+        if (st->dead)
+            break;
+        if (send_round(st, -1) < 0)
+            break;
+    }
+    pthread_mutex_unlock(&st->mu);
+    stream_thread_exit(st);
+    return NULL;
+}
+
+/* Queue `list` and, when the stream is idle, send it from the calling thread: a small transfer
+ * then costs no wake-up of the sender thread.  With `claim_recv` set, a caller that finds the
+ * receive side idle too takes it (*claimed = 1) and must then call fmc_stream_caller_receive.
+ * A send that cannot finish by the deadline cuts the stream (its slices then fail, reported as
+ * a timeout). */
+int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms, int claim_recv, int *claimed)
+{
+    *claimed = 0;
+    pthread_mutex_lock(&st->mu);
+    if (st->dead) {
+        pthread_mutex_unlock(&st->mu);
+        return FMC_ERR_SOCKET;
+    }
+    int idle = !st->pending.head && !st->sending_active;
+    note_batch_size(st, list);
+    if (idle && claim_recv && st->recv_parked && !st->recv_in && !st->inflight.head && !st->caller_recv &&
+        st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0)
+        *claimed = st->caller_recv = 1;
+    list_append(&st->pending, list);
+    if (!idle) {
+        pthread_cond_signal(&st->cv);
+        pthread_mutex_unlock(&st->mu);
+        return FMC_OK;
+    }
+    int rc = send_round(st, deadline_ms);
+    if (st->pending.head)
+        pthread_cond_signal(&st->cv);
+    pthread_mutex_unlock(&st->mu);
+    if (rc < 0)
+        fmc_stream_kill(st);
+    return rc == -2 ? FMC_ERR_TIMEOUT : FMC_OK; /* other failures surface through the slices */
+}
+
+static int remote_status(int32_t status)
+{
+    if (status == FMC_OK || status == FMC_ERR_REMOTE_REFUSED || status == FMC_ERR_ADDRESS_NOT_REGISTERED)
+        return status;
+    return FMC_ERR_SOCKET;
+}
+
+/* A read into GPU memory whose host-to-device copy is still running: the receiver reads the
+ * next payload into the other staging buffer meanwhile.  The slice stays on st->receiving (so a
+ * cancel cuts the stream) and is finished once its copy has landed. */
+typedef struct {
+    fmc_slice *s;
+    int in_stage2;
+} gpu_landing;
+
+static void receiving_remove(fmc_stream *st, fmc_slice *x)
+{
+    fmc_slice **pp = &st->receiving.head, *prev = NULL;
+    while (*pp && *pp != x) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp)
+        return;
+    *pp = x->next;
+    if (st->receiving.tail == x)
+        st->receiving.tail = prev;
+}
+
+/* Wait for the pending copy, then hand its slice to `done`.  Called without st->mu. */
+static void land_pending(fmc_stream *st, gpu_landing *g, fmc_slice_list *done)
+{
+    if (!g->s)
+        return;
+    if (fmc_cuda_wait(g->s->local_dev) != FMC_OK)
+        g->s->answer_status = FMC_ERR_DEVICE_NOT_FOUND;
+    pthread_mutex_lock(&st->mu);
+    receiving_remove(st, g->s);
+    pthread_mutex_unlock(&st->mu);
+    list_push(done, g->s);
+    g->s = NULL;
+}
+
+/* A read's payload: straight into host memory, or into a staging buffer whose copy to the GPU
+ * then runs while the next payload arrives (the previous pending one is landed first).  A
+ * payload into host memory lands the pending one first, so `done` keeps answer order. */
+static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_landing *g, fmc_slice_list *done)
+{
+    if (s->local_dev < 0) {
+        land_pending(st, g, done);
+        return fmc_reader_read_into(rd, (void *)(uintptr_t)s->local, (size_t)s->len);
+    }
+    int use2 = g->s && !g->in_stage2;
+    fmc_staging *stage = use2 ? &st->recv_stage2 : &st->recv_stage;
+    if (fmc_staging_reserve(stage, (size_t)s->len) != 0 || fmc_reader_read_into(rd, stage->buf, (size_t)s->len) < 0)
+        return -1;
+    land_pending(st, g, done);
+    if (fmc_cuda_copy_async(s->local, (uint64_t)(uintptr_t)stage->buf, (size_t)s->len, s->local_dev) != FMC_OK)
+        return -1;
+    g->s = s;
+    g->in_stage2 = use2;
+    return 1; /* lands later: land_pending finishes it */
+}
+
+/* The rest of a vector's answer `a` for the k slices on st->receiving (see fmc_wire.h): entry
+ * statuses when it failed, then a read's payloads, scattered straight into place.  Sets each
+ * slice's answer_status; -1 if the answer does not fit the request. */
+static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int k)
+{
+    int is_read = st->receiving.head->batch->opcode == FMC_OP_READ;
+    uint64_t expect = 0;
+    if (a->status != FMC_OK) {
+        if (a->len < (uint64_t)k * 4 || fmc_reader_fill(rd, (size_t)k * 4) < 0)
+            return -1;
+        expect = (uint64_t)k * 4;
+    }
+    struct iovec iov[FMC_VEC_MAX];
+    int n = 0, j = 0;
+    for (fmc_slice *x = st->receiving.head; x; x = x->next, j++) {
+        int32_t status = a->status == FMC_OK ? FMC_OK : (int32_t)fmc_get32(rd->buf + rd->start + 4 * (size_t)j);
+        x->answer_status = remote_status(status);
+        if (is_read && status == FMC_OK) {
+            iov[n++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = (size_t)x->len};
+            expect += x->len;
+        }
+    }
+    if (a->status != FMC_OK)
+        rd->start += (size_t)k * 4;
+    if (a->len != expect)
+        return -1;
+    return n ? fmc_reader_read_iov(rd, iov, n) : 0;
+}
+
+/* A zero-copy answer's bytes were copied out of the target's pages just now; a target that
+ * reset the connection may have released them first (fmc_wire.h), so they cannot count. */
+static int zc_answer_void(fmc_stream *st, const fmc_resp *a)
+{
+    if (!(a->flags & FMC_RESP_ZC))
+        return 0;
+    if (fmc_socket_reset(st->rd.fd)) {
+        fmc_engine_log(st->peer->engine, "peer %s:%d reset the connection under a zero-copy read answer; "
+                       "its reads fail", st->peer->host, st->peer->data_port);
+        return 1;
+    }
+    return 0;
+}
+
+/* The next answer header in the peer's framing; -1 on EOF or an impossible status. */
+static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
+{
+    if (proto == FMC_PROTO_MOONCAKE) {
+        if (fmc_reader_fill(rd, FMC_MC_STATUS_SIZE) < 0)
+            return -1;
+        uint64_t v = fmc_get64(rd->buf + rd->start);
+        rd->start += FMC_MC_STATUS_SIZE;
+        if (v != FMC_MC_STATUS_OK && v != FMC_MC_STATUS_REJECTED)
+            return -1;
+        a->id = 0;
+        a->flags = 0;
+        a->len = 0;
+        a->status = v == FMC_MC_STATUS_OK ? FMC_OK : FMC_ERR_REMOTE_REFUSED;
+        return 0;
+    }
+    if (fmc_reader_fill(rd, FMC_RESP_SIZE) < 0)
+        return -1;
+    fmc_resp_decode(rd->buf + rd->start, a);
+    rd->start += FMC_RESP_SIZE;
+    return 0;
+}
+
+static void log_bad_answer(fmc_stream *st, const char *what)
+{
+    fmc_engine_log(st->peer->engine, "peer %s:%d sent %s; stream closed", st->peer->host, st->peer->data_port, what);
+}
+
+/* An answer header is already buffered: it can be taken without a syscall. */
+static int answer_buffered(int proto, const fmc_reader *rd)
+{
+    return fmc_reader_buffered(rd) >= (proto == FMC_PROTO_MOONCAKE ? FMC_MC_STATUS_SIZE : FMC_RESP_SIZE);
+}
+
+/* Write answers already buffered for the slices at the head of `inflight`, taken the way the
+ * receiver thread takes them (native framing; writes carry no payload back, so nothing needs
+ * placing).  Called with st->mu held by the caller that owns the receive side.  Returns 1 to
+ * keep polling, 0 to stop: nothing in flight, or an answer this path leaves to the thread (a
+ * read's, or one that matches no request: the thread reports it). */
+static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
+{
+    fmc_reader *rd = &st->rd;
+    for (;;) {
+        fmc_slice *s = st->inflight.head;
+        if (!s || s->batch->opcode != FMC_OP_WRITE)
+            return 0;
+        if (fmc_reader_buffered(rd) < FMC_RESP_SIZE)
+            return 1;
+        fmc_resp a;
+        fmc_resp_decode(rd->buf + rd->start, &a);
+        int k = s->vec_n >= 2 ? s->vec_n : 1;
+        size_t statuses = k >= 2 && a.status != FMC_OK ? (size_t)k * 4 : 0; /* see fmc_wire.h */
+        if (a.id != s->id || a.len != statuses)
+            return 0;
+        if (fmc_reader_buffered(rd) < FMC_RESP_SIZE + statuses)
+            return 1;
+        const uint8_t *entry = rd->buf + rd->start + FMC_RESP_SIZE;
+        for (int j = 0; j < k; j++, entry += 4) {
+            fmc_slice *x = st->inflight.head;
+            if (!x)
+                return 0; /* cannot happen: a vector's slices enter `inflight` together */
+            st->inflight.head = x->next;
+            x->answer_status = remote_status(statuses ? (int32_t)fmc_get32(entry) : a.status);
+            list_push(x->sending ? &st->answered : done, x);
+        }
+        if (!st->inflight.head)
+            st->inflight.tail = NULL;
+        rd->start += FMC_RESP_SIZE + statuses;
+    }
+}
+
+/* The caller that claimed the receive side (fmc_stream_enqueue_inline) polls the socket for
+ * its answers until batch `b` is finished or `until_us` passes, then hands the receive side
+ * back.  On a 2-core machine this is what makes a small synchronous write cheap: only the
+ * caller and the target's thread run, and no sleeping receiver needs waking. */
+void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
+{
+    int got = 0;
+    for (;;) {
+        fmc_slice_list done = {0};
+        pthread_mutex_lock(&st->mu);
+        int more = !st->dead && take_write_answers_locked(st, &done);
+        pthread_mutex_unlock(&st->mu);
+        fmc_slices_finish(done.head, FMC_TASK_PENDING);
+        if (!more || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)
+            break;
+        got = fmc_reader_try_more(&st->rd);
+        if (got < 0)
+            break; /* EOF or error: the thread reads it again and fails the stream */
+        if (got == 0)
+            sched_yield();
+    }
+    pthread_mutex_lock(&st->mu);
+    st->caller_recv = 0;
+    if (st->recv_parked && (st->inflight.head || st->recv_blind || got < 0))
+        wake_receiver(st);
+    pthread_mutex_unlock(&st->mu);
+}
+
+/* Park while nothing is in flight or a caller reads its own answers (see fmc_stream); 0 once
+ * the stream is dead.  A peer that closes an idle stream kills it here, so the session cache
+ * sees it as unhealthy and reconnects before the next transfer. */
+static int receiver_park(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    while (!st->dead && (st->caller_recv || !st->inflight.head)) {
+        int watch = !st->caller_recv; /* a caller that owns the socket sees its EOF itself */
+        st->recv_parked = 1;
+        st->recv_blind = !watch;
+        st->recv_in = watch && st->bulk;
+        int owed = st->zc_owed != 0;
+        short events = (short)(POLLRDHUP | (st->recv_in ? POLLIN : 0));
+        pthread_mutex_unlock(&st->mu);
+        struct pollfd pf[2] = {{.fd = st->wake_fd, .events = POLLIN}, {.fd = st->rd.fd, .events = events}};
+        int ready = poll(pf, watch ? 2 : 1, owed ? ZC_ACK_IDLE_MS : -1);
+        if (ready < 0 && errno != EINTR)
+            pf[1].revents = POLLERR;
+        if (ready == 0) { /* idle with acknowledgements owed: the sender thread sends them */
+            pthread_mutex_lock(&st->mu);
+            st->zc_ack_idle = st->zc_owed != 0; /* a round may have sent them meanwhile */
+            send_ack_if_due_locked(st);
+            pthread_mutex_unlock(&st->mu);
+        }
+        uint64_t count;
+        if (pf[0].revents && read(st->wake_fd, &count, sizeof count) < 0) {
+            /* EAGAIN: another wake-up consumed it first */
+        }
+        pthread_mutex_lock(&st->mu);
+        st->recv_parked = st->recv_blind = st->recv_in = 0;
+        if (watch && pf[1].revents && !st->caller_recv && !st->inflight.head)
+            kill_locked(st); /* closed (or sent bytes nobody asked for) while idle */
+    }
+    int alive = !st->dead;
+    pthread_mutex_unlock(&st->mu);
+    return alive;
+}
+
+/* Matches answers to in-flight slices, in order.  The answers already buffered are taken under
+ * one hold of the stream lock and their slices finished together (one batch lock per run). */
+void *fmc_stream_recv_main(void *arg)
+{
+    fmc_stream *st = arg;
+    int proto = st->peer->proto;
+    fmc_reader *rd = &st->rd;
+    fmc_slice_list done = {0};
+    gpu_landing gpu = {0};
+    for (;;) {
+        fmc_resp a;
+        int park = !answer_buffered(proto, rd);
+        if (park)
+            land_pending(st, &gpu, &done); /* before this thread may block */
+        fmc_slices_finish(done.head, FMC_TASK_PENDING);
+        done.head = done.tail = NULL;
+        if (park && !receiver_park(st))
+            break;
+        if (read_answer(proto, rd, &a) < 0)
+            break;
+        pthread_mutex_lock(&st->mu);
+        int broken = 0;
+        for (;;) {
+            fmc_slice *s = st->inflight.head;
+            if (s && s->vec_n >= 2 && gpu.s) {
+                /* `receiving` is about to hold the vector: land the pending GPU read first. */
+                pthread_mutex_unlock(&st->mu);
+                land_pending(st, &gpu, &done);
+                pthread_mutex_lock(&st->mu);
+                s = st->inflight.head;
+            }
+            if (s && s->vec_n >= 2) {
+                /* A vector's answer: its slices leave `inflight` together. */
+                int k = s->vec_n;
+                st->receiving.head = s;
+                for (int j = 1; j < k && s; j++)
+                    s = s->next;
+                if (!s || st->receiving.head->id != a.id) {
+                    st->receiving.head = NULL;
+                    pthread_mutex_unlock(&st->mu);
+                    log_bad_answer(st, "an answer that matches no request");
+                    broken = 1;
+                    break;
+                }
+                st->receiving.tail = s;
+                st->inflight.head = s->next;
+                if (!st->inflight.head)
+                    st->inflight.tail = NULL;
+                s->next = NULL;
+                pthread_mutex_unlock(&st->mu);
+                fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
+                done.head = done.tail = NULL;
+                if (receive_vector(st, rd, &a, k) < 0) {
+                    log_bad_answer(st, "a vector answer that does not fit its request");
+                    broken = 1; /* `receiving` stays set: the exit path fails it */
+                    break;
+                }
+                if (zc_answer_void(st, &a)) {
+                    broken = 1;
+                    break;
+                }
+                pthread_mutex_lock(&st->mu);
+                st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
+                for (fmc_slice *x = st->receiving.head, *next; x; x = next) {
+                    next = x->next;
+                    list_push(x->sending ? &st->answered : &done, x);
+                }
+                st->receiving.head = st->receiving.tail = NULL;
+                goto next_answer;
+            }
+            if (s && proto == FMC_PROTO_MOONCAKE) {
+                /* Mooncake answers carry no id: in-order delivery is the match. */
+                a.id = s->id;
+                a.len = s->batch->opcode == FMC_OP_READ && a.status == FMC_OK ? s->len : 0;
+            }
+            int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
+            if (!s || s->id != a.id || a.len != (carries_data ? s->len : 0)) {
+                pthread_mutex_unlock(&st->mu);
+                log_bad_answer(st, "an answer that matches no request");
+                broken = 1;
+                break;
+            }
+            st->inflight.head = s->next;
+            if (!st->inflight.head)
+                st->inflight.tail = NULL;
+            s->answer_status = remote_status(a.status);
+            if (a.len) {
+                list_push(&st->receiving, s);
+                pthread_mutex_unlock(&st->mu);
+                fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
+                done.head = done.tail = NULL;
+                int got = receive_payload(st, rd, s, &gpu, &done);
+                if (got < 0 || zc_answer_void(st, &a)) {
+                    s->answer_status = FMC_ERR_SOCKET; /* a GPU landing finishes with this status */
+                    broken = 1; /* `receiving` stays set: the exit path fails it */
+                    break;
+                }
+                pthread_mutex_lock(&st->mu);
+                st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
+                if (got == 1) /* its copy to the GPU lands later */
+                    goto next_answer;
+                receiving_remove(st, s);
+            }
+            /* Answered while sendmsg may still read its bytes (a target that answers early, or
+             * one whose answer overtook the end of a long gather): the sender finishes it. */
+            list_push(s->sending ? &st->answered : &done, s);
+        next_answer: /* take the next answer only if it is already here */
+            if (!answer_buffered(proto, rd))
+                break;
+            if (read_answer(proto, rd, &a) < 0) {
+                pthread_mutex_unlock(&st->mu);
+                broken = 1;
+                break;
+            }
+        }
+        if (broken)
+            break;
+        send_ack_if_due_locked(st);
+        pthread_mutex_unlock(&st->mu);
+    }
+    land_pending(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
+    fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
+    stream_thread_exit(st);
+    return NULL;
+}
