@@ -257,13 +257,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             s->local_dev = ldev[i];
             b->task_remaining[i]++;
             b->bytes += s->len;
-            fmc_slice_list *l = &per_stream[stream];
-            s->next = NULL;
-            if (l->tail)
-                l->tail->next = s;
-            else
-                l->head = s;
-            l->tail = s;
+            fmc_slice_list_push(&per_stream[stream], s);
             run += s->len;
             if (run >= run_bytes) {
                 run = 0;

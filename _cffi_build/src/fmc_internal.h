@@ -252,6 +252,17 @@ typedef struct {
     fmc_slice *head, *tail;
 } fmc_slice_list;
 
+/* Append one slice at the tail of `l`. */
+static inline void fmc_slice_list_push(fmc_slice_list *l, fmc_slice *s)
+{
+    s->next = NULL;
+    if (l->tail)
+        l->tail->next = s;
+    else
+        l->head = s;
+    l->tail = s;
+}
+
 struct fmc_batch {
     pthread_mutex_t mu;
     pthread_cond_t cv;

@@ -16,16 +16,6 @@
 #include "fmc_internal.h"
 #include "fmc_wire.h"
 
-static void list_push(fmc_slice_list *l, fmc_slice *s)
-{
-    s->next = NULL;
-    if (l->tail)
-        l->tail->next = s;
-    else
-        l->head = s;
-    l->tail = s;
-}
-
 static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
 {
     if (!src->head)
@@ -273,7 +263,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             for (int j = 0; j < k; j++) {
                 fmc_slice *x = st->pending.head;
                 st->pending.head = x->next;
-                list_push(&st->inflight, x);
+                fmc_slice_list_push(&st->inflight, x);
                 x->vec_n = j == 0 ? k : 1;
                 fmc_vec_entry_encode(sc->table[nent++], x->key, x->remote, x->len);
                 sum += x->len;
@@ -305,7 +295,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         st->pending.head = s->next;
         if (!st->pending.head)
             st->pending.tail = NULL;
-        list_push(&st->inflight, s);
+        fmc_slice_list_push(&st->inflight, s);
         s->vec_n = 1;
         size_t hlen = encode_request(st->peer->proto, s, is_write, sc->hdr[nh]);
         sc->zc[niov] = 0;
@@ -444,7 +434,7 @@ static void land_pending(fmc_stream *st, gpu_landing *g, fmc_slice_list *done)
     pthread_mutex_lock(&st->mu);
     receiving_remove(st, g->s);
     pthread_mutex_unlock(&st->mu);
-    list_push(done, g->s);
+    fmc_slice_list_push(done, g->s);
     g->s = NULL;
 }
 
@@ -575,7 +565,7 @@ static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
                 return 0; /* cannot happen: a vector's slices enter `inflight` together */
             st->inflight.head = x->next;
             x->answer_status = remote_status(statuses ? (int32_t)fmc_get32(entry) : a.status);
-            list_push(x->sending ? &st->answered : done, x);
+            fmc_slice_list_push(x->sending ? &st->answered : done, x);
         }
         if (!st->inflight.head)
             st->inflight.tail = NULL;
@@ -714,7 +704,7 @@ void *fmc_stream_recv_main(void *arg)
                 st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
                 for (fmc_slice *x = st->receiving.head, *next; x; x = next) {
                     next = x->next;
-                    list_push(x->sending ? &st->answered : &done, x);
+                    fmc_slice_list_push(x->sending ? &st->answered : &done, x);
                 }
                 st->receiving.head = st->receiving.tail = NULL;
                 goto next_answer;
@@ -736,7 +726,7 @@ void *fmc_stream_recv_main(void *arg)
                 st->inflight.tail = NULL;
             s->answer_status = remote_status(a.status);
             if (a.len) {
-                list_push(&st->receiving, s);
+                fmc_slice_list_push(&st->receiving, s);
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
@@ -754,7 +744,7 @@ void *fmc_stream_recv_main(void *arg)
             }
             /* Answered while sendmsg may still read its bytes (a target that answers early, or
              * one whose answer overtook the end of a long gather): the sender finishes it. */
-            list_push(s->sending ? &st->answered : &done, s);
+            fmc_slice_list_push(s->sending ? &st->answered : &done, s);
         next_answer: /* take the next answer only if it is already here */
             if (!answer_buffered(proto, rd))
                 break;
