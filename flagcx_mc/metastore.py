@@ -7,9 +7,10 @@ both holding one JSON object:
 - ``rpc_meta_key(name)`` -> ``{"ip_or_host_name": str, "rpc_port": int}``, where the
   engine's handshake listener is.
 
-Two backends are built in: HTTP (Mooncake's HTTP storage plugin, served by
-``flagcx_mc.metadata_server`` or Mooncake's own ``http_metadata_server``) and Redis
-(``pip install flagcx_mc[redis]``). etcd is not supported by this build.
+Three backends are built in: HTTP (Mooncake's HTTP storage plugin, served by
+``flagcx_mc.metadata_server`` or Mooncake's own ``http_metadata_server``), Redis
+(``pip install flagcx_mc[redis]``) and etcd (``flagcx_mc.metastore_etcd``: etcd's v3 JSON
+API over HTTP, the same keys and values Mooncake's etcd client keeps).
 
 Errors, the same for every backend:
 
@@ -22,7 +23,7 @@ Errors, the same for every backend:
 - ``MetadataError``: the server refused the operation (HTTP status other than 2xx, with
   ``status`` and ``body`` on ``MetadataHttpError``; a Redis error reply, failed AUTH);
 - ``MalformedJsonError``: a stored value is not a JSON object;
-- ``NotSupportedError``: etcd, or the ``redis`` package is not installed;
+- ``NotSupportedError``: the ``redis`` package is not installed;
 - ``EngineStateError``: the store was closed.
 
 ``get`` of a missing key returns ``None``; ``delete`` of a missing key succeeds (HTTP 404
@@ -68,6 +69,7 @@ __all__ = [
     "MetadataHttpError",
     "HttpMetadataStore",
     "RedisMetadataStore",
+    "http_roundtrip",
     "open_store",
 ]
 
@@ -150,7 +152,7 @@ def parse_metadata_server(url: str, metadata_type: str = "") -> tuple[str, str]:
         ``("etcd", "etcd://...")``.
 
     Raises:
-        InvalidArgumentError: empty, unknown scheme, or an HTTP/Redis URL without a host.
+        InvalidArgumentError: empty, unknown scheme, or an HTTP/Redis/etcd URL without a host.
     """
     if not isinstance(url, str) or not url:
         raise InvalidArgumentError(f"metadata_server must be a non-empty str, not {url!r}")
@@ -175,6 +177,10 @@ def parse_metadata_server(url: str, metadata_type: str = "") -> tuple[str, str]:
         _split_http_url(full)
     elif kind == "redis":
         _split_redis_url(full)
+    else:
+        from .metastore_etcd import split_etcd_url
+
+        split_etcd_url(full)
     return kind, full
 
 
@@ -227,14 +233,19 @@ def _encode(key: str, value: dict[str, Any]) -> bytes:
         raise InvalidArgumentError(f"value for {key!r} is not JSON-serialisable: {exc}") from None
 
 
-def _decode(key: str, raw: bytes) -> dict[str, Any]:
+def _json_object(raw: bytes, error: type[FlagcxMcError], what: str) -> dict[str, Any]:
+    """``raw`` parsed as one JSON object, else ``error`` saying what ``what`` was."""
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise MalformedJsonError(f"value of {key!r} is not valid JSON: {exc}") from None
+        raise error(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise MalformedJsonError(f"value of {key!r} is a {type(value).__name__}, not an object")
+        raise error(f"{what} is a {type(value).__name__}, not an object")
     return value
+
+
+def _decode(key: str, raw: bytes) -> dict[str, Any]:
+    return _json_object(raw, MalformedJsonError, f"value of {key!r}")
 
 
 def _check_timeout(timeout: float) -> float:
@@ -382,42 +393,52 @@ class HttpMetadataStore(MetadataStore):
         except UnicodeEncodeError:
             raise InvalidArgumentError("metadata token must be latin-1 text") from None
         message = head + (body or b"")
-        try:
-            return await asyncio.wait_for(self._exchange(method, message), self._timeout)
-        except asyncio.TimeoutError:
-            raise HandshakeTimeoutError(
-                f"{method} {key!r} on {self._url}: no answer within {self._timeout}s"
-            ) from None
+        return await http_roundtrip(self._host, self._port, message, method, self._url, self._timeout,
+                                    what=f"{method} {key!r}", ssl_context=self._ssl)
 
-    async def _exchange(self, method: str, message: bytes) -> tuple[int, bytes]:
-        try:
-            reader, writer = await asyncio.open_connection(
-                self._host,
-                self._port,
-                ssl=self._ssl,
-                server_hostname=self._host if self._ssl is not None else None,
-                limit=_http.MAX_HEAD,
-            )
-        except socket.gaierror as exc:
-            raise DnsError(f"cannot resolve metadata server {self._url}: {exc}") from None
-        except OSError as exc:
-            raise PeerConnectionError(f"cannot connect to metadata server {self._url}: {exc}") from None
-        try:
-            writer.write(message)
-            await writer.drain()
-            return await _read_response(reader, method)
-        except _http.HttpViolation as exc:
-            raise RemoteProtocolError(f"bad answer from metadata server {self._url}: {exc}") from None
-        except asyncio.IncompleteReadError:
-            raise PeerConnectionError(
-                f"metadata server {self._url} closed the connection before a full answer"
-            ) from None
-        except FlagcxMcError:
-            raise
-        except OSError as exc:
-            raise PeerConnectionError(f"connection to metadata server {self._url} failed: {exc}") from None
-        finally:
-            await _http.close_writer(writer)
+
+async def http_roundtrip(host: str, port: int, message: bytes, method: str, url: str, timeout: float, *,
+                         what: str, ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """Send one HTTP/1.1 request (``Connection: close``) and read its answer: ``(status, body)``.
+
+    The errors are the module's: ``DnsError``, ``PeerConnectionError``, ``HandshakeTimeoutError``
+    (no full answer within ``timeout``), ``RemoteProtocolError``.  ``url`` and ``what`` name the
+    server and the operation in their messages.
+    """
+    try:
+        return await asyncio.wait_for(_exchange(host, port, message, method, url, ssl_context), timeout)
+    except asyncio.TimeoutError:
+        raise HandshakeTimeoutError(f"{what} on {url}: no answer within {timeout}s") from None
+
+
+async def _exchange(host: str, port: int, message: bytes, method: str, url: str,
+                    ssl_context: ssl.SSLContext | None) -> tuple[int, bytes]:
+    try:
+        reader, writer = await asyncio.open_connection(
+            host,
+            port,
+            ssl=ssl_context,
+            server_hostname=host if ssl_context is not None else None,
+            limit=_http.MAX_HEAD,
+        )
+    except socket.gaierror as exc:
+        raise DnsError(f"cannot resolve metadata server {url}: {exc}") from None
+    except OSError as exc:
+        raise PeerConnectionError(f"cannot connect to metadata server {url}: {exc}") from None
+    try:
+        writer.write(message)
+        await writer.drain()
+        return await _read_response(reader, method)
+    except _http.HttpViolation as exc:
+        raise RemoteProtocolError(f"bad answer from metadata server {url}: {exc}") from None
+    except asyncio.IncompleteReadError:
+        raise PeerConnectionError(f"metadata server {url} closed the connection before a full answer") from None
+    except FlagcxMcError:
+        raise
+    except OSError as exc:
+        raise PeerConnectionError(f"connection to metadata server {url} failed: {exc}") from None
+    finally:
+        await _http.close_writer(writer)
 
 
 async def _read_response(reader: asyncio.StreamReader, method: str) -> tuple[int, bytes]:
@@ -578,15 +599,13 @@ def open_store(kind: str, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Meta
     """The store for a ``(kind, url)`` pair from ``parse_metadata_server``.
 
     Raises:
-        NotSupportedError: ``etcd``, or ``redis`` without the ``redis`` package.
-        InvalidArgumentError: ``p2p`` (no store) or an unknown kind.
+        NotSupportedError: ``redis`` without the ``redis`` package.
+        InvalidArgumentError: ``p2p`` (no store), an unknown kind, or a malformed URL.
     """
     if kind == "etcd":
-        raise NotSupportedError(
-            f"etcd metadata servers ({url}) are not supported by this build of flagcx_mc; "
-            f"use an http:// metadata server (flagcx-mc metadata-server), redis://, "
-            f"or {P2P_HANDSHAKE}"
-        )
+        from .metastore_etcd import EtcdMetadataStore  # it builds on this module
+
+        return EtcdMetadataStore(url, timeout=timeout)
     cls = _STORES.get(kind)
     if cls is None:
         raise InvalidArgumentError(

@@ -152,6 +152,11 @@ def test_parse_metadata_server(url, metadata_type, expected):
         ("redis://", ""),
         ("redis://h:1/2", ""),
         ("redis://u:p@h:1", ""),
+        ("etcd://", ""),
+        ("etcd://h:port", ""),
+        ("etcd://h:1/v3", ""),
+        ("etcd://u@h:1", ""),
+        ("etcd://h:1;;:2", ""),
     ],
 )
 def test_parse_metadata_server_rejects(url, metadata_type):
@@ -162,8 +167,8 @@ def test_parse_metadata_server_rejects(url, metadata_type):
 def test_open_store_kinds():
     store = open_store(*parse_metadata_server("http://127.0.0.1:1/metadata"))
     assert isinstance(store, HttpMetadataStore) and store.url == "http://127.0.0.1:1/metadata"
-    with pytest.raises(NotSupportedError, match="etcd"):
-        open_store(*parse_metadata_server("10.0.0.1:2379"))
+    etcd = open_store(*parse_metadata_server("10.0.0.1:2379"))
+    assert isinstance(etcd, EtcdMetadataStore) and etcd.url == "etcd://10.0.0.1:2379"
     with pytest.raises(InvalidArgumentError, match="P2PHANDSHAKE"):
         open_store(*parse_metadata_server("P2PHANDSHAKE"))
     with pytest.raises(InvalidArgumentError):
@@ -617,3 +622,103 @@ def test_redis_package_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis.asyncio", None)
     with pytest.raises(NotSupportedError, match=r"pip install flagcx_mc\[redis\]"):
         RedisMetadataStore(f"redis://{HOST}:6379")
+
+
+# --- etcd -------------------------------------------------------------------------------------------
+
+from flagcx_mc.metastore_etcd import EtcdMetadataStore, split_etcd_url  # noqa: E402
+
+
+def test_etcd_endpoints_are_split_as_mooncake_takes_them():
+    assert split_etcd_url("etcd://10.0.0.1") == [("10.0.0.1", 2379)]
+    assert split_etcd_url("ETCD://a:1;b:2,[::1]:3;") == [("a", 1), ("b", 2), ("::1", 3)]
+
+
+async def _etcd_raw(port: int, op: str, request: dict) -> dict:
+    """etcd's own JSON API, asked directly (what a Mooncake node's etcd client sees)."""
+    from flagcx_mc.metastore import http_roundtrip
+
+    body = orjson.dumps(request)
+    head = (f"POST /v3/kv/{op} HTTP/1.1\r\nHost: {HOST}:{port}\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    status, answer = await http_roundtrip(HOST, port, head + body, "POST", "etcd", 5.0, what=op)
+    assert status == 200
+    return orjson.loads(answer)
+
+
+def _b64(raw: bytes) -> str:
+    import base64
+
+    return base64.b64encode(raw).decode()
+
+
+async def test_etcd_round_trip(etcd_port):
+    import base64
+
+    key = segment_key(f"seg-{uuid.uuid4().hex}")
+    async with open_store(*parse_metadata_server(f"{HOST}:{etcd_port}")) as st:
+        assert isinstance(st, EtcdMetadataStore)
+        assert await st.get(key) is None
+        await st.put(key, DESC)
+        assert await st.get(key) == DESC
+        raw = await _etcd_raw(etcd_port, "range", {"key": _b64(key.encode())})
+        assert orjson.loads(base64.b64decode(raw["kvs"][0]["value"])) == DESC  # JSON text, as Mooncake keeps it
+        # A value written by another client (Mooncake ends its JSON with a newline) reads back.
+        await _etcd_raw(etcd_port, "put", {"key": _b64(key.encode()), "value": _b64(orjson.dumps(DESC) + b"\n")})
+        assert await st.get(key) == DESC
+        await _etcd_raw(etcd_port, "put", {"key": _b64(key.encode()), "value": _b64(b"[1]")})
+        with pytest.raises(MalformedJsonError):
+            await st.get(key)
+        await st.delete(key)
+        assert await st.get(key) is None
+        assert (await _etcd_raw(etcd_port, "range", {"key": _b64(key.encode())})).get("kvs") is None
+        await st.delete(key)  # absent: still fine
+        with pytest.raises(InvalidArgumentError):
+            await st.put(" padded", DESC)
+    with pytest.raises(EngineStateError):
+        await st.get(key)
+
+
+async def test_etcd_tries_the_next_endpoint_and_reports_when_none_answers(etcd_port):
+    dead = free_port()
+    key = rpc_meta_key(f"h-{uuid.uuid4().hex}:1")
+    async with EtcdMetadataStore(f"etcd://{HOST}:{dead};{HOST}:{etcd_port}") as st:
+        await st.put(key, {"ip_or_host_name": "h", "rpc_port": 1})
+        assert await st.get(key) == {"ip_or_host_name": "h", "rpc_port": 1}
+        await st.delete(key)
+    async with EtcdMetadataStore(f"etcd://{HOST}:{dead}", timeout=2.0) as st:
+        with pytest.raises(PeerConnectionError):
+            await st.get(key)
+
+
+async def test_etcd_answers_that_are_not_etcds_are_refused():
+    """A server on the port that is not etcd: an error status, or a 200 that is not etcd's JSON."""
+    server = MetadataServer(HOST, 0)  # answers /v3/kv/... with 404: not etcd
+    await server.start()
+    try:
+        port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+        async with EtcdMetadataStore(f"etcd://{HOST}:{port}") as st:
+            with pytest.raises(MetadataError, match="HTTP 4"):
+                await st.get("k")
+    finally:
+        await server.close()
+
+    answers = iter([b"<html>not etcd</html>", b"[1, 2]", b'{"kvs": [{"key": "aw==", "value": "%%%"}]}'])
+
+    async def plain(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        body = next(answers)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    other = await asyncio.start_server(plain, HOST, 0)
+    try:
+        port = other.sockets[0].getsockname()[1]
+        async with EtcdMetadataStore(f"etcd://{HOST}:{port}") as st:
+            for expected in ("not valid JSON", "not an object", "bad value"):
+                with pytest.raises(RemoteProtocolError, match=expected):
+                    await st.get("k")
+    finally:
+        other.close()
+        await other.wait_closed()

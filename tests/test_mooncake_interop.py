@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import subprocess
-import sys
 
 import pytest
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, errors
 from flagcx_mc.node import NodeProcess
+from servers import mooncake_missing
 
 
-def _mooncake_importable() -> str:
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True, timeout=60)
-    return "" if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
-
-
-_WHY = _mooncake_importable()
+_WHY = mooncake_missing()
 pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"Mooncake wheel not importable here: {_WHY}")
 
 SIZES = [4096, 65536, 1 << 20, 64 << 20]
