@@ -137,7 +137,7 @@ class AsyncTransferEngine:
             self._rpc_port = await self._server.start(host, None)
             self._host = host
             # P2P: the name is host:rpc_port.  With a metadata server it is local_hostname verbatim.
-            self._name = self.session_name if store is None else local_hostname
+            self._name = format_host_port(host, self._rpc_port) if store is None else local_hostname
             self._segment.name = self._name
             if store is None:
                 resolver = P2PResolver(self._segment.desc_json, self._config.handshake_timeout, secret)
@@ -146,6 +146,9 @@ class AsyncTransferEngine:
                 await self._store.publish(self._name, host, self._rpc_port, self._segment.desc_json())
         except BaseException:
             await self._teardown()
+            # Nothing of the failed attempt may outlive it: initialize can be called again.
+            self._server = self._segment = self._loop = None
+            self._host, self._name, self._rpc_port = "", "", 0
             raise
         self._managed = ManagedPool(self._core.register, self._core.unregister)
         self._sessions = SessionCache(self._core, self._config, self._executor, resolver, self.metrics)

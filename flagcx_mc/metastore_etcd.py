@@ -129,7 +129,7 @@ class EtcdMetadataStore(MetadataStore):
         body = orjson.dumps(request)
         unreachable: PeerConnectionError | None = None
         for host, port in self._endpoints:
-            where = f"http://{format_host_port(host, port)}"
+            where = f"etcd://{format_host_port(host, port)}"
             head = (f"POST /v3/kv/{op} HTTP/1.1\r\nHost: {format_host_port(host, port)}\r\n"
                     f"User-Agent: flagcx_mc\r\nAccept: application/json\r\nConnection: close\r\n"
                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")

@@ -50,6 +50,7 @@ class StoreResolver:
     def __init__(self, store: MetadataStore, probe_timeout: float = 2.0) -> None:
         self._store = store
         self._probe_timeout = probe_timeout
+        self._mine: dict | None = None  # our rpc_meta entry, once published
 
     async def resolve(self, name: str) -> Resolved:
         meta = await self._store.get(rpc_meta_key(name))
@@ -73,6 +74,7 @@ class StoreResolver:
                     f"{previous.get('ip_or_host_name')}:{previous.get('rpc_port')}"
                 )
             await self._store.delete(rpc_meta_key(name))  # the HTTP server refuses to overwrite it
+        self._mine = mine  # from here on the name is ours to withdraw (even if the next put fails)
         await self._store.put(rpc_meta_key(name), mine)
         await self._store.put(segment_key(name), desc)
 
@@ -90,11 +92,20 @@ class StoreResolver:
         await self._store.put(segment_key(name), desc)
 
     async def withdraw(self, name: str) -> None:
-        for key in (segment_key(name), rpc_meta_key(name)):
-            try:
+        """Remove our entries, best effort.  Only what this engine published: an engine that was
+        refused the name, or whose name another engine has since claimed (it took us for dead),
+        leaves the keys to their owner."""
+        mine, self._mine = self._mine, None
+        if mine is None:
+            return
+        try:
+            current = await self._store.get(rpc_meta_key(name))
+            if current is not None and current != mine:
+                return
+            for key in (segment_key(name), rpc_meta_key(name)):
                 await self._store.delete(key)
-            except errors.FlagcxMcError:
-                pass
+        except errors.FlagcxMcError:
+            pass
 
     async def close(self) -> None:
         await self._store.close()

@@ -132,8 +132,43 @@ async def test_etcd_with_an_unmodified_mooncake_node(etcd_metadata, local_buf):
         await asyncio.to_thread(target.close)
 
 
-async def test_a_live_name_cannot_be_taken(http_metadata):
-    async with AsyncTransferEngine() as first, AsyncTransferEngine() as second:
+async def test_a_live_name_cannot_be_taken(http_metadata, local_buf):
+    """The refused engine leaves the name's entries to their owner, who stays reachable by name."""
+    from flagcx_mc import HostBuffer
+
+    async with AsyncTransferEngine() as first, AsyncTransferEngine() as second, \
+            AsyncTransferEngine(transfer_timeout=10.0) as third:
         await first.initialize("shared-name", http_metadata, "tcp", "")
-        with pytest.raises(errors.MetadataError, match="in use by a live engine"):
-            await second.initialize("shared-name", http_metadata, "tcp", "")
+        with HostBuffer(1 << 20) as owned:
+            await first.register_memory(owned.addr, owned.size)
+            with pytest.raises(errors.MetadataError, match="in use by a live engine"):
+                await second.initialize("shared-name", http_metadata, "tcp", "")
+            await third.initialize("writer", http_metadata, "tcp", "")
+            await third.register_memory(local_buf.addr, 1 << 20)
+            digest = local_buf.fill_random(0, 1 << 20)
+            await third.transfer_sync_write("shared-name", local_buf.addr, owned.addr, 1 << 20)
+            assert owned.digest(0, 1 << 20) == digest
+
+
+async def test_closing_leaves_a_name_another_engine_has_claimed(http_metadata):
+    """An engine taken for dead and replaced under its name does not unpublish the new owner."""
+    from flagcx_mc.metastore import HttpMetadataStore, rpc_meta_key
+
+    newer = {"ip_or_host_name": "10.9.9.9", "rpc_port": 15999}
+    async with HttpMetadataStore(http_metadata) as store:
+        async with AsyncTransferEngine() as old:
+            await old.initialize("taken-over", http_metadata, "tcp", "")
+            await store.delete(rpc_meta_key("taken-over"))  # the new owner's publish, as a restart does it
+            await store.put(rpc_meta_key("taken-over"), newer)
+            await store.put(segment_key("taken-over"), {"name": "taken-over", "owner": "newer"})
+        assert await store.get(rpc_meta_key("taken-over")) == newer
+        assert (await store.get(segment_key("taken-over")))["owner"] == "newer"
+
+
+async def test_a_failed_initialize_can_be_tried_again():
+    """A metadata server that cannot be reached fails initialize and leaves nothing behind."""
+    async with AsyncTransferEngine() as eng:
+        with pytest.raises(errors.PeerConnectionError, match="etcd://127.0.0.1"):
+            await eng.initialize("named", f"etcd://127.0.0.1:{free_port()}", "tcp", "")
+        await eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        assert eng.session_name == f"127.0.0.1:{await eng.get_rpc_port()}"

@@ -16,6 +16,7 @@ import pytest
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc.node import NodeProcess
 from flagcx_mc.config import EngineConfig, mooncake_transfer_timeout
+from servers import free_port
 
 
 def _started_engine(protocol, **config):
@@ -58,9 +59,10 @@ def test_calls_before_initialize_return_minus_one():
 
 def test_initialize_rules(caplog):
     eng = TransferEngine()
+    nobody = free_port()
     with caplog.at_level(logging.ERROR, logger="flagcx_mc"):
-        assert eng.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
-    assert "not supported" in caplog.text
+        assert eng.initialize("127.0.0.1", f"etcd://127.0.0.1:{nobody}", "tcp", "") == -1
+    assert f"cannot connect to metadata server etcd://127.0.0.1:{nobody}" in caplog.text
     assert eng.initialize("127.0.0.1:9999", "P2PHANDSHAKE", "tcp", "") == 0
     try:
         port = eng.get_rpc_port()
