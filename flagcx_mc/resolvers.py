@@ -1,12 +1,13 @@
 """How a session name becomes (host, rpc port, segment descriptor).
 
 P2PHANDSHAKE: the name is ``host:rpc_port`` and the peer itself answers a Metadata request.
-Metadata server (HTTP, Redis): the name is any segment name; its descriptor and rpc location
+Metadata server (HTTP, Redis, etcd): the name is any segment name; its descriptor and rpc location
 live under Mooncake's keys (``mooncake/ram/<name>``, ``mooncake/rpc_meta/<name>``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Protocol, Tuple
 
 from . import errors
@@ -18,6 +19,8 @@ from .metastore import MetadataStore, rpc_meta_key, segment_key
 from .netaddr import parse_host_port
 
 __all__ = ["Resolver", "P2PResolver", "StoreResolver"]
+
+log = logging.getLogger("flagcx_mc")
 
 Resolved = Tuple[str, int, SegmentDesc]
 
@@ -89,6 +92,14 @@ class StoreResolver:
             return False
 
     async def update(self, name: str, desc: dict) -> None:
+        """Publish a new descriptor (regions changed), unless the name now belongs to another
+        engine: its descriptor must not be replaced by ours."""
+        current = await self._store.get(rpc_meta_key(name))
+        if self._mine is None or (current is not None and current != self._mine):
+            log.warning("segment name %r is now held by the engine at %s:%s; this engine's regions are no "
+                        "longer published under it", name, (current or {}).get("ip_or_host_name"),
+                        (current or {}).get("rpc_port"))
+            return
         await self._store.put(segment_key(name), desc)
 
     async def withdraw(self, name: str) -> None:

@@ -150,8 +150,9 @@ async def test_a_live_name_cannot_be_taken(http_metadata, local_buf):
             assert owned.digest(0, 1 << 20) == digest
 
 
-async def test_closing_leaves_a_name_another_engine_has_claimed(http_metadata):
-    """An engine taken for dead and replaced under its name does not unpublish the new owner."""
+async def test_closing_leaves_a_name_another_engine_has_claimed(http_metadata, local_buf, caplog):
+    """An engine taken for dead and replaced under its name neither overwrites the new owner's
+    descriptor when its regions change nor unpublishes the new owner when it closes."""
     from flagcx_mc.metastore import HttpMetadataStore, rpc_meta_key
 
     newer = {"ip_or_host_name": "10.9.9.9", "rpc_port": 15999}
@@ -161,6 +162,9 @@ async def test_closing_leaves_a_name_another_engine_has_claimed(http_metadata):
             await store.delete(rpc_meta_key("taken-over"))  # the new owner's publish, as a restart does it
             await store.put(rpc_meta_key("taken-over"), newer)
             await store.put(segment_key("taken-over"), {"name": "taken-over", "owner": "newer"})
+            await old.register_memory(local_buf.addr, 1 << 20)
+            assert "now held by the engine at 10.9.9.9:15999" in caplog.text
+            assert (await store.get(segment_key("taken-over")))["owner"] == "newer"
         assert await store.get(rpc_meta_key("taken-over")) == newer
         assert (await store.get(segment_key("taken-over")))["owner"] == "newer"
 
