@@ -17,7 +17,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Any, Callable, Deque, List, Optional, Sequence
 
 from . import errors
 from ._core import CoreEngine
@@ -228,10 +228,12 @@ class AsyncTransferEngine:
 
         Raises:
             InvalidArgumentError: zero length, unmapped memory.  AddressOverlappedError: overlap.
+            MetadataError, PeerConnectionError, HandshakeTimeoutError: with a metadata server, it
+                could not publish the region; the region is then not registered either.
         """
         core = self._require_core()
         await self._in_executor(core.register, buffer_addr, capacity)
-        await self._republish()
+        await self._publish_added(lambda: core.unregister(buffer_addr))
 
     async def unregister_memory(self, buffer_addr: int) -> None:
         """Unregister; once this returns no remote operation touches the region.
@@ -244,7 +246,7 @@ class AsyncTransferEngine:
         core = self._require_core()
         self._refuse_managed(buffer_addr)
         await self._in_executor(core.unregister, buffer_addr)
-        await self._republish()
+        await self._publish_removed()
 
     async def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                                     location: str = "*") -> None:
@@ -252,8 +254,9 @@ class AsyncTransferEngine:
         if len(buffer_addresses) != len(capacities):
             raise errors.InvalidArgumentError("buffer_addresses and capacities differ in length")
         core = self._require_core()
-        await self._in_executor(_register_all, core, list(buffer_addresses), list(capacities))
-        await self._republish()
+        addrs = list(buffer_addresses)
+        await self._in_executor(_register_all, core, addrs, list(capacities))
+        await self._publish_added(lambda: [core.unregister(addr) for addr in addrs])
 
     def _refuse_managed(self, addr: int) -> None:
         if self._managed is not None and addr in self._managed.shared_mappings():
@@ -270,7 +273,7 @@ class AsyncTransferEngine:
                 await self._in_executor(core.unregister, addr)
             except errors.FlagcxMcError as exc:
                 first = first or exc
-        await self._republish()
+        await self._publish_removed()
         if first is not None:
             raise first
 
@@ -278,13 +281,13 @@ class AsyncTransferEngine:
         """An engine-owned, registered block of at least ``length`` bytes (shared memory)."""
         self._require_core()
         addr = await self._in_executor(self._managed.allocate, length)
-        await self._republish()
+        await self._publish_added(lambda: self._managed.free(addr, length))
         return addr
 
     async def free_managed_buffer(self, buffer_addr: int, length: int) -> None:
         self._require_core()
         self._managed.free(buffer_addr, length)
-        await self._republish()
+        await self._publish_removed()
 
     async def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> None:
         """Copy ``src[:length]`` into registered memory at ``dest_address``."""
@@ -542,6 +545,29 @@ class AsyncTransferEngine:
         """With a metadata server, peers read our regions from it: keep it current."""
         if self._store is not None:
             await self._store.update(self._name, self._segment.desc_json())
+
+    async def _publish_added(self, undo: Callable[[], Any]) -> None:
+        """Publish memory just registered; if the metadata server cannot take it, ``undo`` the
+        registration and raise, so the call fails whole and can simply be repeated (peers could
+        not have found the memory anyway)."""
+        try:
+            await self._republish()
+        except BaseException:
+            try:
+                await self._in_executor(undo)
+            except errors.FlagcxMcError as exc:
+                log.warning("%s: could not undo a registration the metadata server refused: %s", self._name, exc)
+            raise
+
+    async def _publish_removed(self) -> None:
+        """Publish the table after memory left it.  The memory is gone here whatever the metadata
+        server says (our registry refuses anything aimed at it), so a server that cannot take the
+        change is logged, not raised; the next update brings it up to date."""
+        try:
+            await self._republish()
+        except errors.FlagcxMcError as exc:
+            log.warning("%s: the metadata server still lists unregistered memory until the next update: %s",
+                        self._name, exc)
 
     async def _in_executor(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -8,7 +8,7 @@ import pytest
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc.metadata_server import MetadataServer
-from flagcx_mc.metastore import segment_key
+from flagcx_mc.metastore import HttpMetadataStore, segment_key
 from flagcx_mc.node import NodeProcess
 from servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
 
@@ -182,3 +182,37 @@ async def test_a_failed_initialize_can_be_tried_again():
             await eng.initialize("named", f"etcd://127.0.0.1:{free_port()}", "tcp", "")
         await eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
         assert eng.session_name == f"127.0.0.1:{await eng.get_rpc_port()}"
+
+
+async def test_registration_fails_whole_when_the_metadata_server_cannot_take_it(local_buf, caplog):
+    """Memory that could not be published is not left registered (a retry works once the server is
+    back); memory that left the table stays unregistered whatever the server says."""
+    server = MetadataServer("127.0.0.1", 0)
+    await server.start()
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    async with AsyncTransferEngine() as eng:
+        await eng.initialize("flaky-meta", server.url, "tcp", "")
+        await server.close()
+        with pytest.raises(errors.PeerConnectionError):
+            await eng.register_memory(local_buf.addr, 1 << 20)
+        with pytest.raises(errors.PeerConnectionError):
+            await eng.batch_register_memory([local_buf.addr, local_buf.addr + (2 << 20)], [1 << 20, 1 << 20])
+        with pytest.raises(errors.PeerConnectionError):
+            await eng.allocate_managed_buffer(1 << 20)
+        assert not _registered(eng, local_buf.addr)  # (the managed pool keeps its chunk)
+        server = MetadataServer("127.0.0.1", port)
+        await server.start()
+        try:
+            await eng.register_memory(local_buf.addr, 1 << 20)  # no overlap: the failed one was undone
+            async with HttpMetadataStore(server.url) as store:
+                desc = await store.get(segment_key("flaky-meta"))
+                assert local_buf.addr in [b["addr"] for b in desc["buffers"]]  # beside the managed pool's chunk
+        finally:
+            await server.close()
+        await eng.unregister_memory(local_buf.addr)  # the server is gone again: still unregistered
+        assert "still lists unregistered memory" in caplog.text
+        assert not _registered(eng, local_buf.addr)
+
+
+def _registered(eng: AsyncTransferEngine, addr: int) -> bool:
+    return any(base <= addr < base + length for base, length, _ in eng._core.region_table())
