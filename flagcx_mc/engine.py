@@ -83,6 +83,7 @@ class AsyncTransferEngine:
         self.metrics = EngineMetrics()
         self._notifies: Deque[TransferNotify] = collections.deque(maxlen=65536)
         self._store: Optional[StoreResolver] = None  # set when a metadata server is used
+        self._publish_lock = asyncio.Lock()  # orders updates of our descriptor on it
         self._host = ""
         self._name = ""
         self._rpc_port = 0
@@ -542,9 +543,14 @@ class AsyncTransferEngine:
         return self._managed.shared_mappings() if self._managed is not None else {}
 
     async def _republish(self) -> None:
-        """With a metadata server, peers read our regions from it: keep it current."""
-        if self._store is not None:
-            await self._store.update(self._name, self._segment.desc_json())
+        """With a metadata server, peers read our regions from it: keep it current.  One update
+        at a time, each taking the table as it is when its turn comes: two concurrent updates
+        could otherwise land out of order and leave the older table published."""
+        if self._store is None:
+            return
+        async with self._publish_lock:
+            if self._store is not None:
+                await self._store.update(self._name, self._segment.desc_json())
 
     async def _publish_added(self, undo: Callable[[], Any]) -> None:
         """Publish memory just registered; if the metadata server cannot take it, ``undo`` the

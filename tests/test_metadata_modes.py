@@ -216,3 +216,25 @@ async def test_registration_fails_whole_when_the_metadata_server_cannot_take_it(
 
 def _registered(eng: AsyncTransferEngine, addr: int) -> bool:
     return any(base <= addr < base + length for base, length, _ in eng._core.region_table())
+
+
+async def test_concurrent_registrations_publish_the_latest_table(http_metadata, local_buf):
+    """Two registrations at once: the metadata server ends up with both regions, even when the
+    first one's update is the slower to land."""
+    async with AsyncTransferEngine() as eng:
+        await eng.initialize("busy-meta", http_metadata, "tcp", "")
+        store = eng._store._store
+        put, delayed = store.put, []
+
+        async def slow_first_put(key, value):
+            if key == segment_key("busy-meta") and not delayed:
+                delayed.append(key)
+                await asyncio.sleep(0.3)
+            await put(key, value)
+
+        store.put = slow_first_put
+        a, b = local_buf.addr, local_buf.addr + (4 << 20)
+        await asyncio.gather(eng.register_memory(a, 1 << 20), eng.register_memory(b, 1 << 20))
+        async with HttpMetadataStore(http_metadata) as reader:
+            desc = await reader.get(segment_key("busy-meta"))
+        assert delayed and sorted(x["addr"] for x in desc["buffers"]) == [a, b]
