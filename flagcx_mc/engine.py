@@ -257,7 +257,7 @@ class AsyncTransferEngine:
         core = self._require_core()
         addrs = list(buffer_addresses)
         await self._in_executor(_register_all, core, addrs, list(capacities))
-        await self._publish_added(lambda: [core.unregister(addr) for addr in addrs])
+        await self._publish_added(lambda: _unregister_each(core, addrs))
 
     def _refuse_managed(self, addr: int) -> None:
         if self._managed is not None and addr in self._managed.shared_mappings():
@@ -608,6 +608,18 @@ def _listdir(path: str) -> List[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def _unregister_each(core: CoreEngine, addrs: List[int]) -> None:
+    """Unregister every address, the first error raised after trying them all."""
+    first: Optional[errors.FlagcxMcError] = None
+    for addr in addrs:
+        try:
+            core.unregister(addr)
+        except errors.FlagcxMcError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def _register_all(core: CoreEngine, addrs: List[int], lens: List[int]) -> None:

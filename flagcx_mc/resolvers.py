@@ -93,13 +93,17 @@ class StoreResolver:
 
     async def update(self, name: str, desc: dict) -> None:
         """Publish a new descriptor (regions changed), unless the name now belongs to another
-        engine: its descriptor must not be replaced by ours."""
-        current = await self._store.get(rpc_meta_key(name))
-        if self._mine is None or (current is not None and current != self._mine):
-            log.warning("segment name %r is now held by the engine at %s:%s; this engine's regions are no "
-                        "longer published under it", name, (current or {}).get("ip_or_host_name"),
-                        (current or {}).get("rpc_port"))
+        engine: its descriptor must not be replaced by ours.  An entry that vanished (a metadata
+        server restarted empty) is put back, so peers find us again."""
+        if self._mine is None:
             return
+        current = await self._store.get(rpc_meta_key(name))
+        if current is not None and current != self._mine:
+            log.warning("segment name %r is now held by the engine at %s:%s; this engine's regions are no "
+                        "longer published under it", name, current.get("ip_or_host_name"), current.get("rpc_port"))
+            return
+        if current is None:
+            await self._store.put(rpc_meta_key(name), self._mine)
         await self._store.put(segment_key(name), desc)
 
     async def withdraw(self, name: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc.metadata_server import MetadataServer
-from flagcx_mc.metastore import HttpMetadataStore, segment_key
+from flagcx_mc.metastore import HttpMetadataStore, rpc_meta_key, segment_key
 from flagcx_mc.node import NodeProcess
 from servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
 
@@ -159,7 +159,6 @@ async def test_a_live_name_cannot_be_taken(http_metadata, local_buf):
 async def test_closing_leaves_a_name_another_engine_has_claimed(http_metadata, local_buf, caplog):
     """An engine taken for dead and replaced under its name neither overwrites the new owner's
     descriptor when its regions change nor unpublishes the new owner when it closes."""
-    from flagcx_mc.metastore import HttpMetadataStore, rpc_meta_key
 
     newer = {"ip_or_host_name": "10.9.9.9", "rpc_port": 15999}
     async with HttpMetadataStore(http_metadata) as store:
@@ -204,9 +203,10 @@ async def test_registration_fails_whole_when_the_metadata_server_cannot_take_it(
         await server.start()
         try:
             await eng.register_memory(local_buf.addr, 1 << 20)  # no overlap: the failed one was undone
-            async with HttpMetadataStore(server.url) as store:
+            async with HttpMetadataStore(server.url) as store:  # restarted empty: we are back on it
                 desc = await store.get(segment_key("flaky-meta"))
                 assert local_buf.addr in [b["addr"] for b in desc["buffers"]]  # beside the managed pool's chunk
+                assert (await store.get(rpc_meta_key("flaky-meta")))["rpc_port"] == await eng.get_rpc_port()
         finally:
             await server.close()
         await eng.unregister_memory(local_buf.addr)  # the server is gone again: still unregistered
