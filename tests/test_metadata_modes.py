@@ -159,7 +159,6 @@ async def test_a_live_name_cannot_be_taken(http_metadata, local_buf):
 async def test_closing_leaves_a_name_another_engine_has_claimed(http_metadata, local_buf, caplog):
     """An engine taken for dead and replaced under its name neither overwrites the new owner's
     descriptor when its regions change nor unpublishes the new owner when it closes."""
-
     newer = {"ip_or_host_name": "10.9.9.9", "rpc_port": 15999}
     async with HttpMetadataStore(http_metadata) as store:
         async with AsyncTransferEngine() as old:
