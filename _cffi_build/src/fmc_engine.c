@@ -124,6 +124,7 @@ void fmc_engine_destroy(fmc_engine *e)
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
     pthread_mutex_unlock(&e->mu);
+    fmc_hugepages_stop(e);
     char c = 1;
     if (write(e->wake_pipe[1], &c, 1) < 0) { /* the accept thread also polls `stopping` */
     }
@@ -176,25 +177,6 @@ static uint32_t random_key(void)
     return k;
 }
 
-/* Remote writes into pages never touched run many times slower (each first touch is a page fault
- * in the receiving thread).  Ask for transparent huge pages and fault the region in now, both
- * best effort (older kernels lack MADV_POPULATE_WRITE; FLAGCX_MC_PREFAULT=0 skips it). */
-static void prepare_host_memory(uint64_t addr, uint64_t len)
-{
-    const char *env = getenv("FLAGCX_MC_PREFAULT");
-    if (env && strcmp(env, "0") == 0)
-        return;
-    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
-    uint64_t start = addr & ~(page - 1), end = (addr + len + page - 1) & ~(page - 1);
-#ifdef MADV_HUGEPAGE
-    madvise((void *)(uintptr_t)start, (size_t)(end - start), MADV_HUGEPAGE);
-#endif
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-    madvise((void *)(uintptr_t)start, (size_t)(end - start), MADV_POPULATE_WRITE);
-}
-
 int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
 {
     if (addr == 0 || len == 0 || addr + len < addr) {
@@ -216,8 +198,9 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         else if (rc != FMC_OK)
             return rc;
     }
-    if (dev < 0 && writable)
-        prepare_host_memory(addr, len);
+    int host = dev < 0 && writable;
+    if (host)
+        fmc_hugepages_prepare(addr, len); /* huge pages, faulted in: first-touch writes are slow */
     uint32_t key = random_key();
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
@@ -230,6 +213,8 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
             r->sh_slot = -1; /* read-only: same-host peers would write it unchecked, keep them on TCP */
     }
     pthread_mutex_unlock(&e->mu);
+    if (rc == FMC_OK && host)
+        fmc_hugepages_collapse_later(e, addr, len, key); /* pages touched before registration */
     if (rc == FMC_OK && key_out)
         *key_out = key;
     return rc;
@@ -277,6 +262,24 @@ static fmc_region *region_at_locked(fmc_engine *e, uint64_t addr, uint32_t key)
 {
     fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
     return r && r->addr == addr && r->key == key ? r : NULL;
+}
+
+fmc_region *fmc_region_pin(fmc_engine *e, uint64_t addr, uint32_t key)
+{
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = region_at_locked(e, addr, key);
+    if (r)
+        r->refs++;
+    pthread_mutex_unlock(&e->mu);
+    return r;
+}
+
+void fmc_region_unpin(fmc_engine *e, fmc_region *r)
+{
+    pthread_mutex_lock(&e->mu);
+    if (--r->refs == 0 && r->removed)
+        pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
 }
 
 /* The GPU ordinal of the region starting at addr (-1: host memory or no such region), its length

@@ -222,7 +222,19 @@ struct fmc_engine {
     pthread_mutex_t log_mu;
     char log[FMC_LOG_CAP];
     int log_len;
+    struct fmc_collapser *collapser; /* huge-page collapsing thread (fmc_hugepages.c), guarded by mu */
 };
+
+/* Registered host memory in huge pages (fmc_hugepages.c): prepare = ask and fault in, now;
+ * collapse_later = turn pages already touched into huge pages, in the background; stop = end the
+ * engine's background thread (engine destroy). */
+void fmc_hugepages_prepare(uint64_t addr, uint64_t len);
+void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key);
+void fmc_hugepages_stop(fmc_engine *e);
+/* Pin the region registered at addr under that key (NULL if none): unregister waits for the pin
+ * to go.  Unpin takes it back. */
+fmc_region *fmc_region_pin(fmc_engine *e, uint64_t addr, uint32_t key);
+void fmc_region_unpin(fmc_engine *e, fmc_region *r);
 
 void fmc_engine_log(fmc_engine *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void *fmc_server_accept_main(void *arg);
