@@ -87,6 +87,29 @@ def test_memory_touched_before_registration_is_collapsed_with_its_contents(core)
 
 @pytest.mark.skipif(bool(_WHY), reason=_WHY or "")
 @pytest.mark.timeout(60)
+def test_memory_that_cannot_be_collapsed_does_not_stop_the_rest(core, tmp_path):
+    """A file mapping (the kernel refuses to collapse it) registered first: anonymous memory
+    registered after it is still collapsed."""
+    path = tmp_path / "region"
+    path.write_bytes(b"\x5a" * (8 * MiB))
+    with open(path, "r+b") as f, HostBuffer(16 * MiB) as buf:
+        shared = mmap.mmap(f.fileno(), 8 * MiB, flags=mmap.MAP_SHARED)
+        view = (ctypes.c_char * (8 * MiB)).from_buffer(shared)
+        try:
+            core.register(ctypes.addressof(view), 8 * MiB)
+            digest = buf.fill_random()
+            core.register(buf.addr, buf.size)
+            assert _wait_for_huge(buf.addr, 14 * 1024) >= 14 * 1024
+            assert buf.digest() == digest and bytes(shared[:4]) == b"\x5a" * 4
+            core.unregister(buf.addr)
+            core.unregister(ctypes.addressof(view))
+        finally:
+            del view
+            shared.close()
+
+
+@pytest.mark.skipif(bool(_WHY), reason=_WHY or "")
+@pytest.mark.timeout(60)
 def test_prefault_off_leaves_the_pages_alone(core, monkeypatch):
     monkeypatch.setenv("FLAGCX_MC_PREFAULT", "0")
     with HostBuffer(16 * MiB) as buf:

@@ -48,8 +48,6 @@ struct fmc_collapser {
     pthread_t thread;
 };
 
-static int unsupported; /* the kernel has no MADV_COLLAPSE: stop asking (process-wide) */
-
 static int prefault_wanted(void)
 {
     const char *env = getenv("FLAGCX_MC_PREFAULT");
@@ -90,7 +88,7 @@ static void collapse_region(fmc_engine *e, struct fmc_collapser *c, const collap
     uint64_t huge = huge_page_size();
     uint64_t at = (j->addr + huge - 1) & ~(huge - 1), end = (j->addr + j->len) & ~(huge - 1);
     for (; at < end; at += huge) {
-        if (__atomic_load_n(&c->stop, __ATOMIC_RELAXED) || __atomic_load_n(&unsupported, __ATOMIC_RELAXED))
+        if (__atomic_load_n(&c->stop, __ATOMIC_RELAXED))
             return;
         fmc_region *r = fmc_region_pin(e, j->addr, j->key);
         if (!r)
@@ -98,8 +96,8 @@ static void collapse_region(fmc_engine *e, struct fmc_collapser *c, const collap
         int rc = madvise((void *)(uintptr_t)at, (size_t)huge, MADV_COLLAPSE);
         int err = errno;
         fmc_region_unpin(e, r);
-        if (rc != 0 && (err == EINVAL || err == ENOSYS || err == EPERM))
-            __atomic_store_n(&unsupported, 1, __ATOMIC_RELAXED);
+        if (rc != 0 && (err == EINVAL || err == EPERM))
+            return; /* a kernel without MADV_COLLAPSE, or memory it cannot collapse (a file) */
         /* EAGAIN, EBUSY, ENOMEM: this chunk stays in small pages */
     }
 }
@@ -130,7 +128,7 @@ static void *collapse_main(void *arg)
 
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key)
 {
-    if (!prefault_wanted() || __atomic_load_n(&unsupported, __ATOMIC_RELAXED) || len < huge_page_size())
+    if (!prefault_wanted() || len < huge_page_size())
         return;
     collapse_job *j = malloc(sizeof *j);
     if (!j)
