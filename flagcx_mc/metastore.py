@@ -69,6 +69,8 @@ __all__ = [
     "MetadataHttpError",
     "HttpMetadataStore",
     "RedisMetadataStore",
+    "check_http_status",
+    "format_request",
     "http_roundtrip",
     "open_store",
 ]
@@ -365,36 +367,40 @@ class HttpMetadataStore(MetadataStore):
         self._closed = True
 
     def _check_status(self, method: str, key: str, status: int, body: bytes) -> None:
-        if 200 <= status < 300:
-            return
-        text = body[:1024].decode("utf-8", "replace")
-        raise MetadataHttpError(
-            f"{method} {key!r} on {self._url}: HTTP {status}: {text}", status, text
-        )
+        check_http_status(f"{method} {key!r}", self._url, status, body)
 
     async def _request(self, method: str, key: str, body: bytes | None) -> tuple[int, bytes]:
         _check_key(key)
         if self._closed:
             raise EngineStateError("metadata store is closed")
         target = self._target + "key=" + quote(key, safe="")
-        lines = [
-            f"{method} {target} HTTP/1.1",
-            f"Host: {self._host_header}",
-            "User-Agent: flagcx_mc",
-            "Accept: application/json",
-            "Connection: close",
-        ]
-        if body is not None:
-            lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-        if self._token is not None:
-            lines.append(f"Authorization: Bearer {self._token}")
+        extra = (f"Authorization: Bearer {self._token}",) if self._token is not None else ()
         try:
-            head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            message = format_request(method, target, self._host_header, body, extra)
         except UnicodeEncodeError:
             raise InvalidArgumentError("metadata token must be latin-1 text") from None
-        message = head + (body or b"")
         return await http_roundtrip(self._host, self._port, message, method, self._url, self._timeout,
                                     what=f"{method} {key!r}", ssl_context=self._ssl)
+
+
+def format_request(method: str, target: str, host_header: str, body: bytes | None,
+                   extra_headers: tuple[str, ...] = ()) -> bytes:
+    """One HTTP/1.1 request as the metadata clients send it: JSON in and out, one connection per
+    request.  Raises UnicodeEncodeError for header text that is not latin-1."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}", "User-Agent: flagcx_mc",
+             "Accept: application/json", "Connection: close"]
+    if body is not None:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    lines += extra_headers
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+
+
+def check_http_status(what: str, url: str, status: int, body: bytes) -> None:
+    """Raise ``MetadataHttpError`` (with the start of the body) unless ``status`` is 2xx."""
+    if 200 <= status < 300:
+        return
+    text = body[:1024].decode("utf-8", "replace")
+    raise MetadataHttpError(f"{what} on {url}: HTTP {status}: {text}", status, text)
 
 
 async def http_roundtrip(host: str, port: int, message: bytes, method: str, url: str, timeout: float, *,

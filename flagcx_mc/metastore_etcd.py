@@ -13,7 +13,7 @@ cannot reach an endpoint tries the next one; the answer of the first one reached
 Plain HTTP only, without etcd authentication (Mooncake's plugin uses neither).
 
 Errors are those of ``flagcx_mc.metastore``; an answer that is not etcd's JSON is a
-``RemoteProtocolError``, an etcd error answer (HTTP status other than 2xx) a ``MetadataError``.
+``RemoteProtocolError``, an etcd error answer (HTTP status other than 2xx) a ``MetadataHttpError``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from .errors import EngineStateError, InvalidArgumentError, MetadataError, PeerConnectionError, RemoteProtocolError
+from .errors import EngineStateError, InvalidArgumentError, PeerConnectionError, RemoteProtocolError
 from .metastore import (
     DEFAULT_TIMEOUT,
     MetadataStore,
@@ -34,6 +34,8 @@ from .metastore import (
     _decode,
     _encode,
     _json_object,
+    check_http_status,
+    format_request,
     http_roundtrip,
 )
 from .netaddr import format_host_port
@@ -128,23 +130,16 @@ class EtcdMetadataStore(MetadataStore):
             raise EngineStateError("metadata store is closed")
         body = orjson.dumps(request)
         unreachable: PeerConnectionError | None = None
+        what = f"etcd {op} {key!r}"
         for host, port in self._endpoints:
             where = f"etcd://{format_host_port(host, port)}"
-            head = (f"POST /v3/kv/{op} HTTP/1.1\r\nHost: {format_host_port(host, port)}\r\n"
-                    f"User-Agent: flagcx_mc\r\nAccept: application/json\r\nConnection: close\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+            message = format_request("POST", f"/v3/kv/{op}", format_host_port(host, port), body)
             try:
-                status, answer = await http_roundtrip(host, port, head.encode("latin-1") + body, "POST", where,
-                                                      self._timeout, what=f"etcd {op} {key!r}")
+                status, answer = await http_roundtrip(host, port, message, "POST", where, self._timeout, what=what)
             except PeerConnectionError as exc:
                 unreachable = exc  # try the cluster's next member
                 continue
-            return self._parse(op, key, where, status, answer)
+            check_http_status(what, where, status, answer)
+            return _json_object(answer, RemoteProtocolError, f"{what} on {where}: the answer")
         assert unreachable is not None
         raise unreachable
-
-    def _parse(self, op: str, key: str, where: str, status: int, answer: bytes) -> dict[str, Any]:
-        if not 200 <= status < 300:
-            text = answer[:1024].decode("utf-8", "replace")
-            raise MetadataError(f"etcd {op} {key!r} on {where}: HTTP {status}: {text}")
-        return _json_object(answer, RemoteProtocolError, f"etcd {op} {key!r} on {where}: the answer")

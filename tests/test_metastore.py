@@ -636,12 +636,10 @@ def test_etcd_endpoints_are_split_as_mooncake_takes_them():
 
 async def _etcd_raw(port: int, op: str, request: dict) -> dict:
     """etcd's own JSON API, asked directly (what a Mooncake node's etcd client sees)."""
-    from flagcx_mc.metastore import http_roundtrip
+    from flagcx_mc.metastore import format_request, http_roundtrip
 
-    body = orjson.dumps(request)
-    head = (f"POST /v3/kv/{op} HTTP/1.1\r\nHost: {HOST}:{port}\r\nConnection: close\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    status, answer = await http_roundtrip(HOST, port, head + body, "POST", "etcd", 5.0, what=op)
+    message = format_request("POST", f"/v3/kv/{op}", f"{HOST}:{port}", orjson.dumps(request))
+    status, answer = await http_roundtrip(HOST, port, message, "POST", "etcd", 5.0, what=op)
     assert status == 200
     return orjson.loads(answer)
 
