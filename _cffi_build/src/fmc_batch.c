@@ -345,13 +345,7 @@ int fmc_batch_cancel(fmc_batch *b)
         /* Unsent slices are simply taken back. */
         for (fmc_slice *s = st->pending.head, *next; s; s = next) {
             next = s->next;
-            fmc_slice_list *dst = s->batch == b ? &removed : &keep;
-            s->next = NULL;
-            if (dst->tail)
-                dst->tail->next = s;
-            else
-                dst->head = s;
-            dst->tail = s;
+            fmc_slice_list_push(s->batch == b ? &removed : &keep, s);
         }
         st->pending = keep;
         /* Slices on the wire may still read or write our memory: only cutting the stream stops
