@@ -56,6 +56,11 @@ int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
 /* fmc_sendv_all with extra sendmsg flags (MSG_MORE); consumes iov. */
 int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags);
 void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
+/* Join entries that continue one another in memory, in place; returns the new count.  Payloads
+ * cut into blocks that lie back to back (a KV cache's consecutive blocks) then cost the kernel
+ * one page-table walk per run instead of one per block: vmsplice of 1024 adjacent 4 KiB blocks
+ * spent most of its time in get_user_pages, once per block. */
+int fmc_iov_merge(struct iovec *iov, int iovcnt);
 /* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 int fmc_recv_all(int fd, void *buf, size_t len);

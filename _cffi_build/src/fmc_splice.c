@@ -92,6 +92,7 @@ static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags)
  * payloads of a vector go together); `more`: other bytes of this round follow the run. */
 static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2])
 {
+    cnt = fmc_iov_merge(iov, cnt);
     while (cnt > 0) {
         ssize_t in = vmsplice(pipefd[1], iov, (unsigned long)cnt, 0);
         if (in < 0) {

@@ -155,6 +155,7 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
 
 int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
 {
+    iovcnt = fmc_iov_merge(iov, iovcnt);
     while (iovcnt > 0 && r->end > r->start) {
         size_t take = r->end - r->start < iov->iov_len ? r->end - r->start : iov->iov_len;
         memcpy(iov->iov_base, r->buf + r->start, take);
@@ -229,6 +230,18 @@ void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
         iov->iov_len -= n;
     }
     *iovp = iov;
+}
+
+int fmc_iov_merge(struct iovec *iov, int iovcnt)
+{
+    int m = 0;
+    for (int i = 0; i < iovcnt; i++) {
+        if (m > 0 && (uint8_t *)iov[m - 1].iov_base + iov[m - 1].iov_len == (uint8_t *)iov[i].iov_base)
+            iov[m - 1].iov_len += iov[i].iov_len;
+        else
+            iov[m++] = iov[i];
+    }
+    return m;
 }
 
 int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags)
