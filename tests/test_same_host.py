@@ -15,6 +15,8 @@ import pytest
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc.node import NodeProcess
 
+from layouts import round_trip_runs_and_gaps
+
 SIZES = [1, 4096, (1 << 20) + 7, 64 << 20]
 
 
@@ -58,6 +60,13 @@ async def test_same_host_batches_and_refusals(sh_engine, sh_node, local_buf):
     with pytest.raises(errors.AddressNotRegisteredError):
         await sh_engine.transfer_sync_write(sh_node.session, local_buf.addr, sh_node.addr(1) - 8, 64)
     assert sh_node.call("guards")["intact"]
+
+
+async def test_runs_of_adjacent_blocks_land_exactly_on_the_same_host_path(sh_engine, sh_node, local_buf):
+    """process_vm_writev/readv get back-to-back blocks as one range per side: runs that differ per
+    side, gaps, backwards runs and a block named twice still land exactly."""
+    await round_trip_runs_and_gaps(sh_engine, sh_node, local_buf, seed=5)
+    assert sh_engine._sessions.peek(sh_node.session).peer.same_host
 
 
 async def test_a_frozen_target_still_receives_same_host_writes(sh_engine, local_buf):

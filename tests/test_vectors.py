@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from typing import List
 
 import pytest
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc.node import NodeProcess
 from flagcx_mc.transfer import OP_WRITE, TransferRequest
+
+from layouts import round_trip_runs_and_gaps
 
 # Mixed sizes, small ones (vector entries go up to 64 KiB) and a few that travel alone.
 BLOCKS = [1, 3, 512, 4096, 4096, 9000, 65536, 65537, 300_000]
@@ -135,56 +136,11 @@ async def test_vectors_across_many_regions_both_ways(engine, local_buf):
         assert target.call("guards")["intact"]
 
 
-def _runs_and_gaps(n: int, block: int, rng: random.Random) -> List[int]:
-    """Offsets of n blocks laid out in runs of back-to-back blocks, the runs apart by gaps, and
-    some runs stored backwards (block i+1 just before block i: touching, but not in order)."""
-    offsets, pos, i = [0] * n, 0, 0
-    while i < n:
-        run = min(n - i, rng.randint(1, 40))
-        slots = list(range(run))
-        if rng.random() < 0.3:
-            slots.reverse()
-        for k, slot in enumerate(slots):
-            offsets[i + k] = pos + slot * block
-        pos += run * block + rng.choice([0, 0, block, 3 * block + 17])
-        i += run
-    return offsets
-
-
 async def test_runs_of_adjacent_blocks_land_exactly_and_gaps_stay_untouched(engine, node, local_buf):
     """The kernel gets back-to-back payloads as one range (fmc_iov_merge: zero-copy sends, scatter
     reads); runs that differ per side, gaps, backwards runs and a block sent twice must still put
     every byte exactly where its own entry says, and nothing in between."""
-    rng = random.Random(11)
-    block, n = 4096, 1536  # 6 MiB: several vectors per stream, each over the zero-copy minimum
-    local_off = _runs_and_gaps(n, block, rng)
-    remote_off = _runs_and_gaps(n, block, rng)
-    rng.shuffle(remote_off)  # the sides' runs do not line up
-    local_off[7] = local_off[6]  # one source block written to two places
-    local_span = max(local_off) + block
-    remote_span = max(remote_off) + block
-
-    local_buf.fill_random(0, local_span)
-    node.call("set", region=0, byte=0, offset=0, length=remote_span)
-    local = [local_buf.addr + o for o in local_off]
-    remote = [node.addr(0, o) for o in remote_off]
-    await engine.batch_transfer_sync_write(node.session, local, remote, [block] * n)
-    expected = bytearray(remote_span)
-    for lo, ro in zip(local_off, remote_off):
-        expected[ro:ro + block] = local_buf.read(lo, block)
-    got = node.call("digest", region=0, offset=0, length=remote_span)["digest"]
-    assert got == hashlib.sha256(expected).hexdigest()
-
-    # Back: every entry but the duplicate's first (its twin lands on the same local block).
-    keep = [i for i in range(n) if i != 6]
-    local_buf.fill(0, 0, local_span)
-    await engine.batch_transfer_sync_read(node.session, [local[i] for i in keep], [remote[i] for i in keep],
-                                          [block] * len(keep))
-    back = bytearray(local_span)
-    for i in keep:
-        back[local_off[i]:local_off[i] + block] = expected[remote_off[i]:remote_off[i] + block]
-    assert local_buf.digest(0, local_span) == hashlib.sha256(back).hexdigest()
-    assert node.call("guards")["intact"]
+    await round_trip_runs_and_gaps(engine, node, local_buf, seed=11)
 
 
 @pytest.mark.parametrize("streams,blocks,vectors", [(8, 1024, 8), (4, 1024, 4), (8, 64, 1), (8, 128, 2)])

@@ -10,7 +10,7 @@
  *                        senders gather blocks into sendmsg calls of about 1 MiB (as the engine's
  *                        streams do), receivers read as much as the socket has
  *   fmc_baseline_pvm     process_vm_writev from this process into a forked child, up to 1024
- *                        blocks per call
+ *                        blocks per call, back-to-back blocks joined into one range per side
  *   fmc_baseline_cuda_*  device-to-device copies through the CUDA driver API, loaded with dlopen
  *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver): each batch's copies
  *                        queued on a stream and waited for, as a synchronous transfer must, or
@@ -383,7 +383,10 @@ int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps
             if (i == 0)
                 break; /* one call never names the same remote block twice */
         }
-        ssize_t done = process_vm_writev(pid, liov, (unsigned long)n, riov, (unsigned long)n, 0);
+        /* Back-to-back blocks as one range per side, as the engine hands them over: otherwise
+         * the kernel pins pages once per block and the limit would be a slow way to call it. */
+        unsigned long nl = (unsigned long)fmc_iov_merge(liov, n), nr = (unsigned long)fmc_iov_merge(riov, n);
+        ssize_t done = process_vm_writev(pid, liov, nl, riov, nr, 0);
         if (done < 0 && errno == EINTR)
             continue;
         if (done != (ssize_t)want) {

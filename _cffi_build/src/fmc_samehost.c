@@ -564,12 +564,14 @@ static int copy_tasks_with(copy_scratch **scp, fmc_peer *p, _Atomic uint64_t *bu
             }
             j++;
         }
+        /* Each side is one stream of bytes to the kernel, so back-to-back blocks join per side:
+         * the kernel pins the target's pages once per range instead of once per block. */
+        unsigned long nl = (unsigned long)fmc_iov_merge(liov, k), nr = (unsigned long)fmc_iov_merge(riov, k);
         int rc = enter(c, busy, r, remote[i]);
         if (rc != FMC_OK)
             return rc;
-        ssize_t done = opcode == FMC_OP_WRITE
-                           ? process_vm_writev(p->sh_pid, liov, (unsigned long)k, riov, (unsigned long)k, 0)
-                           : process_vm_readv(p->sh_pid, liov, (unsigned long)k, riov, (unsigned long)k, 0);
+        ssize_t done = opcode == FMC_OP_WRITE ? process_vm_writev(p->sh_pid, liov, nl, riov, nr, 0)
+                                              : process_vm_readv(p->sh_pid, liov, nl, riov, nr, 0);
         int err = errno;
         atomic_store(busy, 0);
         if (done < 0 || (size_t)done != bytes) {
