@@ -320,6 +320,33 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[
             target.close()
 
 
+class StealClock:
+    """Hypervisor steal, from /proc/stat: the share of CPU time this VM's CPUs were ready to run
+    but the host ran something else.  A batch-synchronous engine loses far more to it than a
+    streaming raw socket (each batch waits for its slowest thread), so the bench records it per
+    shape and names it beside a target that misses.  None where /proc/stat is not readable."""
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        self.start = self.ticks()
+
+    def ticks(self) -> Optional[Tuple[int, int]]:
+        """(steal, all) ticks of the first line: user nice system idle iowait irq softirq steal."""
+        try:
+            with open(self.path) as f:
+                fields = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        return (fields[7], sum(fields)) if len(fields) == 8 else None
+
+    def share(self) -> Optional[float]:
+        """Steal over all CPU time since this clock started."""
+        now = self.ticks()
+        if now is None or self.start is None or now[1] <= self.start[1]:
+            return None
+        return (now[0] - self.start[0]) / (now[1] - self.start[1])
+
+
 def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
                    limits: List[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
     """Every limit and every transport at one shape and op, trial by trial in turn: round k measures
@@ -337,6 +364,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     live = [t for t in live if t.name in expects]
     limit_gbps: Dict[str, List[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
     runs: Dict[str, List[dict]] = {t.name: [] for t in live}
+    steal = StealClock()
     for _ in range(opts.trials):
         for name in list(limit_gbps):
             try:
@@ -351,6 +379,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
                 runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name]))
             except (NodeError, OSError) as exc:
                 stop(t, exc)
+    steal_share = steal.share()
     for name in limits:
         if name in result["baselines_missing"]:
             progress.step(f"baseline {name}: not available ({result['baselines_missing'][name]})")
@@ -358,7 +387,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
         gbps = max(limit_gbps[name])
         result["baselines"].append({"name": name, "op": op, "block": block, "count": count,
                                     "bytes": limit_bytes, "gbps": gbps,
-                                    "trials_gbps": limit_gbps[name],
+                                    "trials_gbps": limit_gbps[name], "steal": steal_share,
                                     "streams": opts.streams if name == "raw socket" else None})
         progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
     for t in live:
@@ -369,6 +398,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
         except (NodeError, OSError) as exc:
             stop(t, exc)
             continue
+        row["steal"] = steal_share
         result["rows"].append(row)
         status = "verified" if row["verified"] else f"NOT VERIFIED: {row['error']}"
         progress.step(f"{t.name:<14} {op:<5} {fmt_size(block):>7} x{count:<5} {row['gbps']:7.2f} GB/s  "
@@ -380,6 +410,18 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
 
 def _fmt_ratio(value: Optional[float]) -> str:
     return "" if value is None else f"{value:.2f}x"
+
+
+def _steal_summary(result: dict) -> Optional[str]:
+    """One line on hypervisor steal over the run and during the worst shape, if it was measured."""
+    share = result.get("host", {}).get("steal_share")
+    if share is None:
+        return None
+    line = f"hypervisor steal: {share:.0%} of CPU time over the run"
+    worst = max((r for r in result["rows"] if r.get("steal") is not None), key=lambda r: r["steal"], default=None)
+    if worst is not None and worst["steal"] > 0:
+        line += f" (most: {worst['steal']:.0%} during {worst['op']} {fmt_size(worst['block'])} x{worst['count']})"
+    return line
 
 
 def print_report(result: dict, out=sys.stdout) -> None:
@@ -414,6 +456,9 @@ def print_report(result: dict, out=sys.stdout) -> None:
         print(f"TCP: {options['streams']} streams per peer (the raw socket too); congestion control within "
               f"this host {host.get('local_congestion_control')}, host default {host.get('tcp_congestion_control')} "
               f"(Mooncake's)", file=out)
+    steal_line = _steal_summary(result)
+    if steal_line:
+        print(steal_line, file=out)
     print("", file=out)
     for t in result["targets"]:
         measured = "" if t["measured"] is None else f"{t['measured']:.2f} (threshold {t['threshold']})"
@@ -515,7 +560,9 @@ def run_bench(opts: BenchOptions) -> int:
     result.update(transports=transports, baselines=[], baselines_missing={}, rows=[], latency=[])
     with contextlib.ExitStack() as stack:
         log = None if opts.verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
+        steal = StealClock()
         _run_all(running, opts, shapes, limits, progress, result, log)
+        result["host"]["steal_share"] = steal.share()
     rows, latencies, baselines = result["rows"], result["latency"], result["baselines"]
     order = {t.name: i for i, t in enumerate(TRANSPORTS)}
     rows.sort(key=lambda r: (order[r["transport"]], opts.ops.index(r["op"]), r["block"], r["count"]))

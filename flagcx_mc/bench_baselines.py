@@ -188,6 +188,10 @@ def throughput_rows(rows: list, transport: str) -> list:
     return [r for r in mine if r["count"] == largest[r["block"]]]
 
 
+# Steal share of CPU time at which a shape's ratios say more about the host than the engine.
+STEAL_WORTH_NAMING = 0.05
+
+
 def _target(name: str, rows: list, value_of, threshold: float, better: str, na: str, ratio: str = "") -> dict:
     """Worst value over ``rows`` against ``threshold`` (``better``: 'higher' or 'lower').  For a
     throughput ``ratio``, the worst row's ratio between median trials comes along (information
@@ -201,6 +205,8 @@ def _target(name: str, rows: list, value_of, threshold: float, better: str, na: 
     median = row.get("median_ratios", {}).get(ratio) if ratio else None
     if median is not None:
         detail += f"; median trials {median:.2f}"
+    if (row.get("steal") or 0) >= STEAL_WORTH_NAMING:
+        detail += f"; hypervisor steal {row['steal']:.0%} during that shape"
     return {"name": name, "status": "PASS" if ok else "MISS", "measured": worst, "threshold": threshold,
             "detail": detail, "measured_median": median}
 

@@ -77,6 +77,10 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     assert streams == EngineConfig.from_env().streams_per_peer
     assert f"TCP: {streams} streams per peer (the raw socket too)" in proc.stdout
     assert data["host"]["local_congestion_control"] and data["host"]["tcp_congestion_control"]
+    # Hypervisor steal over the run, and per shape on every row and limit (this machine has /proc/stat).
+    assert 0 <= data["host"]["steal_share"] < 1 and "hypervisor steal:" in proc.stdout
+    # (None: a shape too short for the clock's 10 ms ticks)
+    assert all(x["steal"] is None or 0 <= x["steal"] < 1 for x in data["rows"] + data["baselines"])
     for key in ("started", "host", "options", "transports", "baselines", "baselines_missing", "rows", "latency",
                 "targets"):
         assert key in data, key
@@ -188,6 +192,32 @@ def test_a_target_also_shows_its_worst_row_between_median_trials():
     bl.add_ratios([old], [dict(raw, trials_gbps=None)], {"tcp": "raw socket"})
     assert old["median_ratios"]["raw socket"] is None
     assert "median" not in bl.evaluate_targets([old], [], avail)[1]["detail"]
+
+
+def test_steal_is_measured_from_proc_stat_and_named_beside_a_target(tmp_path):
+    """Hypervisor steal halves a batch-synchronous engine while a streaming raw socket barely
+    notices: the bench keeps it per shape and names it where it was large."""
+    stat = tmp_path / "stat"
+    line = "cpu  {user} 0 {system} {idle} 0 0 {softirq} {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    stat.write_text(line.format(user=1000, system=500, idle=8000, softirq=100, steal=400))
+    clock = bench.StealClock(str(stat))
+    assert clock.share() is None  # no time has passed
+    stat.write_text(line.format(user=1300, system=600, idle=8300, softirq=120, steal=680))
+    assert clock.share() == pytest.approx(280 / (300 + 100 + 300 + 20 + 280))
+    assert bench.StealClock(str(tmp_path / "missing")).share() is None
+
+    row = {"transport": "tcp", "engine": "flagcx_mc", "op": "read", "block": 4096, "count": 1024, "gbps": 2.0,
+           "trials_gbps": [2.0], "verified": True, "ratios": {}, "cpu_s_per_gib": None, "steal": 0.23}
+    raw = {"name": "raw socket", "op": "read", "block": 4096, "count": 1024, "gbps": 4.0, "trials_gbps": [4.0]}
+    bl.add_ratios([row], [raw], {"tcp": "raw socket"})
+    avail = {"tcp": {"available": True}}
+    target = bl.evaluate_targets([row], [], avail)[1]
+    assert target["status"] == "MISS" and target["detail"].endswith("hypervisor steal 23% during that shape")
+    calm = bl.evaluate_targets([dict(row, steal=0.01)], [], avail)[1]
+    assert "steal" not in calm["detail"]
+    summary = bench._steal_summary({"host": {"steal_share": 0.04}, "rows": [row, dict(row, steal=0.01)]})
+    assert summary == "hypervisor steal: 4% of CPU time over the run (most: 23% during read 4 KiB x1024)"
+    assert bench._steal_summary({"host": {}, "rows": [row]}) is None
 
 
 def test_targets_report_the_worst_row():
