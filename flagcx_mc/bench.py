@@ -80,6 +80,8 @@ class BenchOptions:
     repeat: Optional[int] = None        # timed batches per trial; None: enough for target_bytes
     target_bytes: int = 256 * MiB       # bytes per trial when repeat is None
     trials: int = 5                     # timed loops per row; the row reports the fastest
+    steal_retries: int = 2              # passes more for a shape that ran with steal_retry_at or more
+    steal_retry_at: float = 0.10        # hypervisor steal share of CPU time
     max_repeat: int = 1000
     latency_n: int = 2000
     mooncake: bool = True
@@ -347,28 +349,30 @@ class StealClock:
         return (now[0] - self.start[0]) / (now[1] - self.start[1])
 
 
-def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
-                   limits: List[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
-    """Every limit and every transport at one shape and op, trial by trial in turn: round k measures
-    each limit once, then runs each transport's k-th timed loop.  Load that comes and goes on a
-    shared machine then falls on both sides of every ratio alike; each side reports its best."""
+@dataclasses.dataclass
+class _Attempt:
+    """One pass of a shape's trial rounds: each limit's and each transport's trials, and the
+    hypervisor steal while they ran."""
+    limit_gbps: Dict[str, List[float]]
+    runs: Dict[str, List[dict]]
+    steal: Optional[float]
+
+    def failed(self) -> bool:
+        return any(r["rc"] != 0 for runs in self.runs.values() for r in runs)
+
+
+def _trial_rounds(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
+                  limits: List[str], opts: BenchOptions, result: dict, stop) -> _Attempt:
+    """Round k measures each limit once, then runs each transport's k-th timed loop."""
     span = block * count
     reps = reps_of(opts, span)
-    limit_bytes = max(span * reps, 64 * MiB)
-    expects: Dict[str, str] = {}
-    for t in live:
-        try:
-            expects[t.name] = _prepare_row(op, span, *procs[t.name])
-        except (NodeError, OSError) as exc:
-            stop(t, exc)
-    live = [t for t in live if t.name in expects]
     limit_gbps: Dict[str, List[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
     runs: Dict[str, List[dict]] = {t.name: [] for t in live}
     steal = StealClock()
     for _ in range(opts.trials):
         for name in list(limit_gbps):
             try:
-                limit_gbps[name].append(bl.measure(name, block, span, limit_bytes, streams=opts.streams))
+                limit_gbps[name].append(bl.measure(name, block, span, _limit_bytes(span, reps), streams=opts.streams))
             except bl.BaselineUnavailable as exc:
                 result["baselines_missing"][name] = str(exc)
                 del limit_gbps[name]
@@ -379,15 +383,51 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
                 runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name]))
             except (NodeError, OSError) as exc:
                 stop(t, exc)
-    steal_share = steal.share()
+    return _Attempt(limit_gbps, runs, steal.share())
+
+
+def _limit_bytes(span: int, reps: int) -> int:
+    return max(span * reps, 64 * MiB)
+
+
+def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
+                   limits: List[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
+    """Every limit and every transport at one shape and op, trial by trial in turn (``_trial_rounds``).
+    Load that comes and goes on a shared machine then falls on both sides of every ratio alike;
+    each side reports its best.  Hypervisor steal does not fall alike (a batch-synchronous engine
+    waits for its slowest thread, a raw socket streams on), so a shape that ran with
+    ``opts.steal_retry_at`` or more is measured again, up to ``opts.steal_retries`` times, and the
+    calmest pass is kept; every pass's steal stays in the JSON (``steal_attempts``).  A pass in
+    which a transfer failed is never measured over."""
+    span = block * count
+    reps = reps_of(opts, span)
+    expects: Dict[str, str] = {}
+    for t in live:
+        try:
+            expects[t.name] = _prepare_row(op, span, *procs[t.name])
+        except (NodeError, OSError) as exc:
+            stop(t, exc)
+    live = [t for t in live if t.name in expects]
+    attempts: List[_Attempt] = []
+    for attempt in range(1 + max(0, opts.steal_retries)):
+        attempts.append(_trial_rounds(op, block, count, live, procs, limits, opts, result, stop))
+        share = attempts[-1].steal
+        if attempts[-1].failed() or share is None or share < opts.steal_retry_at or attempt == opts.steal_retries:
+            break
+        progress.note(f"{op} {fmt_size(block)} x{count}: hypervisor steal {share:.0%} during the trials, "
+                      f"measuring this shape again")
+    kept = attempts[-1] if attempts[-1].failed() else min(attempts, key=lambda a: a.steal or 0.0)
+    limit_gbps, runs, steal_share = kept.limit_gbps, kept.runs, kept.steal
+    steal_attempts = [a.steal for a in attempts]
     for name in limits:
-        if name in result["baselines_missing"]:
-            progress.step(f"baseline {name}: not available ({result['baselines_missing'][name]})")
+        if name in result["baselines_missing"] or name not in limit_gbps:
+            progress.step(f"baseline {name}: not available ({result['baselines_missing'].get(name)})")
             continue
         gbps = max(limit_gbps[name])
         result["baselines"].append({"name": name, "op": op, "block": block, "count": count,
-                                    "bytes": limit_bytes, "gbps": gbps,
+                                    "bytes": _limit_bytes(span, reps), "gbps": gbps,
                                     "trials_gbps": limit_gbps[name], "steal": steal_share,
+                                    "steal_attempts": steal_attempts,
                                     "streams": opts.streams if name == "raw socket" else None})
         progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
     for t in live:
@@ -398,7 +438,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
         except (NodeError, OSError) as exc:
             stop(t, exc)
             continue
-        row["steal"] = steal_share
+        row["steal"], row["steal_attempts"] = steal_share, steal_attempts
         result["rows"].append(row)
         status = "verified" if row["verified"] else f"NOT VERIFIED: {row['error']}"
         progress.step(f"{t.name:<14} {op:<5} {fmt_size(block):>7} x{count:<5} {row['gbps']:7.2f} GB/s  "
@@ -421,10 +461,14 @@ def _steal_summary(result: dict) -> Optional[str]:
     worst = max((r for r in result["rows"] if r.get("steal") is not None), key=lambda r: r["steal"], default=None)
     if worst is not None and worst["steal"] > 0:
         line += f" (most: {worst['steal']:.0%} during {worst['op']} {fmt_size(worst['block'])} x{worst['count']})"
+    again = {(r["op"], r["block"], r["count"]) for r in result["rows"] if len(r.get("steal_attempts") or ()) > 1}
+    if again:
+        line += f"; {len(again)} shape(s) measured again after steal, the calmest pass kept"
     return line
 
 
-def print_report(result: dict, out=sys.stdout) -> None:
+def print_report(result: dict, out: Optional[IO[str]] = None) -> None:
+    out = out or sys.stdout  # looked up per call: a redirected sys.stdout (tests, callers) gets the report
     rows, baselines = result["rows"], result["baselines"]
     columns = [b for b in bl.BASELINES if any(b in r["ratios"] for r in rows)]
     head = f"{'transport':<14} {'op':<5} {'block':>7} {'count':>5} {'GB/s':>7} {'CPU s/GiB':>9}"
@@ -545,7 +589,8 @@ def run_bench(opts: BenchOptions) -> int:
               "host": _host_info(), "errors": [],
               "options": {"blocks": opts.blocks, "batches": opts.batches, "ops": opts.ops, "streams": opts.streams,
                           "transports": opts.transports, "repeat": opts.repeat, "target_bytes": opts.target_bytes,
-                          "trials": opts.trials,
+                          "trials": opts.trials, "steal_retries": opts.steal_retries,
+                          "steal_retry_at": opts.steal_retry_at,
                           "latency_n": opts.latency_n, "quick": opts.quick, "mooncake": opts.mooncake}}
     transports = {}
     for t in chosen:

@@ -46,6 +46,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--repeat", type=int, help="timed batches per trial (default: enough for 256 MiB, at most 1000)")
     bench.add_argument("--trials", type=int, help="timed trials per measurement, the fastest reported (default 5)")
     bench.add_argument("--latency-n", type=int, help="4 KiB sync writes in the latency test (default 2000)")
+    bench.add_argument("--steal-retries", type=int, metavar="N",
+                       help="measure a shape again, up to N times, when hypervisor steal took 10%% or more of "
+                            "the CPU time during it; the calmest pass is kept (default 2, 0: never)")
     bench.add_argument("--json", metavar="PATH", default="bench-results/bench.json", help="results file ('' for none)")
     bench.add_argument("--png", metavar="PATH", default="bench-results/bench.png",
                        help="plot of GB/s vs block size, if matplotlib is installed ('' for none)")
@@ -57,7 +60,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, run_bench
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
-             "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams}
+             "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
+             "steal_retries": args.steal_retries}
     overrides = {k: v for k, v in given.items() if v is not None}
     bad_ops = set(args.ops) - {"write", "read"}
     if bad_ops or not args.ops:
