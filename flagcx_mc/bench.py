@@ -366,13 +366,14 @@ def _trial_rounds(op: str, block: int, count: int, live: List[Transport], procs:
     """Round k measures each limit once, then runs each transport's k-th timed loop."""
     span = block * count
     reps = reps_of(opts, span)
+    limit_bytes = _limit_bytes(span, reps)
     limit_gbps: Dict[str, List[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
     runs: Dict[str, List[dict]] = {t.name: [] for t in live}
     steal = StealClock()
     for _ in range(opts.trials):
         for name in list(limit_gbps):
             try:
-                limit_gbps[name].append(bl.measure(name, block, span, _limit_bytes(span, reps), streams=opts.streams))
+                limit_gbps[name].append(bl.measure(name, block, span, limit_bytes, streams=opts.streams))
             except bl.BaselineUnavailable as exc:
                 result["baselines_missing"][name] = str(exc)
                 del limit_gbps[name]
@@ -420,8 +421,8 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     limit_gbps, runs, steal_share = kept.limit_gbps, kept.runs, kept.steal
     steal_attempts = [a.steal for a in attempts]
     for name in limits:
-        if name in result["baselines_missing"] or name not in limit_gbps:
-            progress.step(f"baseline {name}: not available ({result['baselines_missing'].get(name)})")
+        if name in result["baselines_missing"]:
+            progress.step(f"baseline {name}: not available ({result['baselines_missing'][name]})")
             continue
         gbps = max(limit_gbps[name])
         result["baselines"].append({"name": name, "op": op, "block": block, "count": count,
