@@ -6,12 +6,14 @@ Swap ``from mooncake.engine import TransferEngine`` for ``from flagcx_mc import 
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version as _dist_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
 
 from . import errors
 from ._core import core_version as _core_version
 from .buffers import HostBuffer
-from .engine import AsyncTransferEngine
+from .engine.async_engine import AsyncTransferEngine
+from .engine.sync_engine import TransferEngine
 from .errors import FlagcxMcError
 from .names import (
     SUPPORT_CUDA,
@@ -25,7 +27,6 @@ from .names import (
     TransferOpcode,
     Write,
 )
-from .sync import TransferEngine
 
 try:
     __version__ = _dist_version("flagcx_mc")

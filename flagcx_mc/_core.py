@@ -10,7 +10,8 @@ import logging
 from typing import List, Optional, Sequence, Tuple
 
 from . import errors
-from .metadata import MAX_GPU_CHUNKS, GpuShare
+from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare
+
 try:
     from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
 except ImportError as exc:  # a source tree without the compiled core
@@ -21,7 +22,7 @@ except ImportError as exc:  # a source tree without the compiled core
 
 __all__ = ["CoreEngine", "CorePeer", "CoreBatch", "OP_READ", "OP_WRITE", "core_version", "last_error"]
 
-log = logging.getLogger("flagcx_mc.core")
+log = logging.getLogger(__name__)
 
 PROTO_NATIVE: int = lib.FMC_PROTO_NATIVE
 PROTO_MOONCAKE: int = lib.FMC_PROTO_MOONCAKE

@@ -1,6 +1,6 @@
 """Run code written for ``mooncake.engine`` on flagcx_mc without editing it.
 
-    from flagcx_mc.compat import install_mooncake_alias
+    from .compat import install_mooncake_alias
     install_mooncake_alias()          # before the code under it imports mooncake
     from mooncake.engine import TransferEngine   # -> flagcx_mc.TransferEngine
 
@@ -18,7 +18,7 @@ import types
 from typing import List, Optional
 
 from . import names
-from .sync import TransferEngine
+from .engine.sync_engine import TransferEngine
 
 __all__ = ["install_mooncake_alias", "mooncake_engine_module", "main"]
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 __all__ = ["EngineConfig", "default_streams", "mooncake_transfer_timeout"]
 
-log = logging.getLogger("flagcx_mc.config")
+log = logging.getLogger(__name__)
 
 
 def _env_number(name: str, kind=float) -> Optional[float]:

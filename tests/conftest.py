@@ -20,7 +20,7 @@ def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 # Remote regions every shared node offers: [0] 80 MiB for big transfers, [1] 1 MiB scratch.
 NODE_REGIONS = [80 << 20, 1 << 20]

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 SUBNET = "10.77.0"
 NETNS_RUN_DIR = "/var/run/netns"

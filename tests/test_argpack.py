@@ -5,12 +5,12 @@ import struct
 
 import numpy as np
 import pytest
+from flagcx_mc._argpack import pack3
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flagcx_mc import errors
-from flagcx_mc._argpack import pack3
-from flagcx_mc.transfer import OP_WRITE, TransferRequest
+from flagcx_mc.engine.requests import OP_WRITE, TransferRequest
 
 u64 = st.integers(0, 2**64 - 1)
 
@@ -104,8 +104,8 @@ def test_no_memory_is_kept_across_calls_good_or_bad():
 def test_single_range_is_checked_like_the_lists(args, message):
     """transfer_sync_write/read take a shortcut for one range of plain ints; anything else gets
     the lists' own checks and errors."""
+    from flagcx_mc.engine.requests import SingleTransfer, TransferRequest
     from flagcx_mc.errors import InvalidArgumentError
-    from flagcx_mc.transfer import SingleTransfer, TransferRequest
 
     assert isinstance(TransferRequest.single(0, 1, 2, 3), SingleTransfer)
     with pytest.raises(InvalidArgumentError, match=message):

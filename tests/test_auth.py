@@ -12,9 +12,10 @@ import struct
 import pytest
 
 from flagcx_mc import AsyncTransferEngine, errors
-from flagcx_mc.auth import sign_request
-from flagcx_mc.handshake import MessageType, request
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.control.auth import sign_request
+from flagcx_mc.control.codec import MessageType
+from flagcx_mc.control.handshake import request
 
 SECRET = "correct horse battery staple"
 

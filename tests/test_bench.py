@@ -12,10 +12,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from flagcx_mc import bench, bench_baselines as bl, errors
-from flagcx_mc.config import EngineConfig
 from flagcx_mc._fmc_cffi import ffi, lib
+
+from flagcx_mc import errors
+from flagcx_mc.config import EngineConfig
+from flagcx_mc.tools.bench import limits as bl
+from flagcx_mc.tools.bench import runner as bench
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 import re
+from dataclasses import replace
 
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flagcx_mc.errors import LocalProtocolError, MalformedJsonError, RemoteProtocolError
-from flagcx_mc.handshake.codec import (
+from flagcx_mc.control.codec import (
     DEFAULT_MAX_LENGTH,
     FrameDecoder,
     Message,
@@ -19,7 +18,15 @@ from flagcx_mc.handshake.codec import (
     encode_message,
     max_length_from_env,
 )
-from flagcx_mc.metadata import BufferDesc, GpuShare, NativeInfo, RegionDesc, SegmentDesc, now_timestamp
+from flagcx_mc.errors import LocalProtocolError, MalformedJsonError, RemoteProtocolError
+from flagcx_mc.metadata.descriptor import (
+    BufferDesc,
+    GpuShare,
+    NativeInfo,
+    RegionDesc,
+    SegmentDesc,
+    now_timestamp,
+)
 
 
 def raw_frame(type_byte: int, body: bytes, length: int | None = None) -> bytes:

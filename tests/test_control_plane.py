@@ -8,8 +8,9 @@ import struct
 import pytest
 
 from flagcx_mc import errors
-from flagcx_mc.handshake import MessageType, request
-from flagcx_mc.metadata import SegmentDesc
+from flagcx_mc.control.codec import MessageType
+from flagcx_mc.control.handshake import request
+from flagcx_mc.metadata.descriptor import SegmentDesc
 
 
 async def test_metadata_reply_is_a_mooncake_tcp_descriptor(engine, local_buf):

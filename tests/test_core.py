@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from flagcx_mc._fmc_cffi import lib
 
 import flagcx_mc
 from flagcx_mc import HostBuffer, errors
 from flagcx_mc._core import CoreEngine, CorePeer, core_version
-from flagcx_mc._fmc_cffi import lib
 
 CDEFS = Path(__file__).resolve().parents[1] / "_cffi_build" / "core_cdefs.h"
 
@@ -81,7 +81,7 @@ def test_gpu_chunks_that_do_not_cover_the_region_are_refused_by_the_core(core):
     """The core checks a peer's VMM chunks itself (the descriptor parser does too): chunks that
     leave part of the region unmapped, or a region we do not know, are refused; what covers it is
     accepted (here, off the same-host path, only remembered as GPU memory)."""
-    from flagcx_mc.metadata import GpuShare
+    from flagcx_mc.metadata.descriptor import GpuShare
 
     peer = CorePeer(core, "127.0.0.1", core.data_port, 1, 0)
     peer.set_regions([(0x7E00_0010_0000, 40 << 20, 9)])

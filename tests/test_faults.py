@@ -21,7 +21,7 @@ from typing import Callable, Dict, List
 import pytest
 
 from flagcx_mc import HostBuffer, TransferEngine
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 TIMEOUT = 2.0            # transfer_timeout of the initiators in this module
 SLACK = 1.0              # scheduling slack on a busy 2-core machine
@@ -44,11 +44,11 @@ FAILURE_CODES = {
 # comes back under the same session name ("host:port").  The data port stays random, as in life.
 _PINNED_NODE = (
     "import os, runpy, sys\n"
-    "import flagcx_mc.handshake.server as server\n"
+    "import flagcx_mc.control.handshake as server\n"
     "port = int(os.environ['FMC_TEST_RPC_PORT'])\n"
     "server.rpc_port_range = lambda: (port, port)\n"
-    "sys.argv = ['flagcx_mc.node']\n"
-    "runpy.run_module('flagcx_mc.node', run_name='__main__', alter_sys=True)\n"
+    "sys.argv = ['flagcx_mc._testing.node']\n"
+    "runpy.run_module('flagcx_mc._testing.node', run_name='__main__', alter_sys=True)\n"
 )
 
 
@@ -173,7 +173,7 @@ def server_connections(node: NodeProcess) -> int:
 
 def test_killed_target_fails_every_waiting_call_then_comes_back_on_same_and_new_port(initiator, caplog):
     eng, buf = initiator
-    caplog.set_level(logging.WARNING, logger="flagcx_mc.sessions")
+    caplog.set_level(logging.WARNING, logger="flagcx_mc.engine.sessions")
     port = free_rpc_port()
     target = pinned_node(port, [BIG, BIG])
     replacement = None

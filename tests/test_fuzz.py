@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc._core import CoreEngine
+from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.control.codec import FrameDecoder, MessageType, encode_message
+from flagcx_mc.control.handshake import request
 from flagcx_mc.errors import MalformedJsonError, RemoteProtocolError
-from flagcx_mc.handshake import FrameDecoder, MessageType, encode_message, request
-from flagcx_mc.node import NodeProcess
 
 PAGE = mmap.PAGESIZE
 GUARD = 0xA5

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from flagcx_mc.control.codec import FrameDecoder, Message, MessageType, encode_message
+from flagcx_mc.control.handshake import HandshakeServer, request
 from flagcx_mc.errors import (
     DnsError,
     EndpointError,
@@ -20,8 +22,7 @@ from flagcx_mc.errors import (
     PeerConnectionError,
     RemoteProtocolError,
 )
-from flagcx_mc.handshake import FrameDecoder, HandshakeServer, Message, MessageType, encode_message, request
-from flagcx_mc.netaddr import format_host_port, parse_host_port, rpc_port_range
+from flagcx_mc.net.addresses import format_host_port, parse_host_port, rpc_port_range
 
 HOST = "127.0.0.1"
 pytestmark = pytest.mark.timeout(20)
@@ -151,7 +152,7 @@ BAD_STREAMS = {
 
 @pytest.mark.parametrize("case", list(BAD_STREAMS))
 async def test_malformed_input_drops_only_that_connection(case, caplog):
-    caplog.set_level(logging.WARNING, "flagcx_mc.handshake")
+    caplog.set_level(logging.WARNING, "flagcx_mc.control.handshake")
     async with serving(max_length=1 << 20) as server:
         async with raw_conn(server.port) as (good_r, good_w):
             async with raw_conn(server.port) as (reader, writer):

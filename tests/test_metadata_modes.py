@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
 
 from flagcx_mc import AsyncTransferEngine, errors
-from flagcx_mc.metadata_server import MetadataServer
-from flagcx_mc.metastore import HttpMetadataStore, rpc_meta_key, segment_key
-from flagcx_mc.node import NodeProcess
-from servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
+from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.metadata.http_store import HttpMetadataStore
+from flagcx_mc.metadata.keys import rpc_meta_key, segment_key
+from flagcx_mc.metadata.server import MetadataServer
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ async def test_redis_metadata_server(redis_metadata, local_buf):
 
 
 async def test_segment_is_withdrawn_on_close(http_metadata, local_buf):
-    from flagcx_mc.metastore import HttpMetadataStore
+    from flagcx_mc.metadata.http_store import HttpMetadataStore
 
     async with AsyncTransferEngine() as eng:
         await eng.initialize("prefill-3", http_metadata, "tcp", "")
@@ -98,7 +99,7 @@ async def test_etcd_metadata_server(etcd_metadata, local_buf):
 
 async def test_a_bare_address_is_an_etcd_server_as_in_mooncake(etcd_port, local_buf):
     """Mooncake reads a metadata_server without a scheme as etcd; so do we (and publish there)."""
-    from flagcx_mc.metastore_etcd import EtcdMetadataStore
+    from flagcx_mc.metadata.etcd_store import EtcdMetadataStore
 
     async with AsyncTransferEngine() as eng:
         await eng.initialize("prefill-bare", f"127.0.0.1:{etcd_port}", "tcp", "")

@@ -4,10 +4,8 @@ and the HTTP metadata server (in process, against raw bytes, and as a command)."
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,8 +18,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+from servers import PACKAGE_PARENT, free_port  # noqa: E402
 
-from flagcx_mc import metastore
 from flagcx_mc.errors import (
     EndpointError,
     EngineStateError,
@@ -33,19 +31,12 @@ from flagcx_mc.errors import (
     PeerConnectionError,
     RemoteProtocolError,
 )
-from flagcx_mc.metadata_server import MetadataServer
-from flagcx_mc.metastore import (
-    HttpMetadataStore,
-    MetadataHttpError,
-    RedisMetadataStore,
-    key_prefix,
-    open_store,
-    parse_metadata_server,
-    rpc_meta_key,
-    segment_key,
-)
-
-from servers import PACKAGE_PARENT, free_port  # noqa: E402
+from flagcx_mc.metadata import redis_store
+from flagcx_mc.metadata.connect import open_store, parse_metadata_server
+from flagcx_mc.metadata.http_store import HttpMetadataStore, MetadataHttpError
+from flagcx_mc.metadata.keys import key_prefix, rpc_meta_key, segment_key
+from flagcx_mc.metadata.redis_store import RedisMetadataStore
+from flagcx_mc.metadata.server import MetadataServer
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[1]
@@ -492,7 +483,7 @@ async def test_response_framings(answer):
 def _start_server_process(*args: str) -> tuple[subprocess.Popen, int]:
     env = {k: v for k, v in os.environ.items() if k != "MC_METADATA_HTTP_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flagcx_mc.metadata_server", "--host", HOST, "--port", "0", *args],
+        [sys.executable, "-m", "flagcx_mc.metadata.server", "--host", HOST, "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=PACKAGE_PARENT, env=env,
     )
     ready, _, _ = select.select([proc.stdout], [], [], 15)
@@ -534,7 +525,7 @@ def test_server_command_port_in_use():
         busy.bind((HOST, 0))
         busy.listen()
         proc = subprocess.run(
-            [sys.executable, "-m", "flagcx_mc.metadata_server", "--host", HOST, "--port", str(busy.getsockname()[1])],
+            [sys.executable, "-m", "flagcx_mc.metadata.server", "--host", HOST, "--port", str(busy.getsockname()[1])],
             capture_output=True, text=True, cwd=PACKAGE_PARENT, timeout=20,
         )
     assert proc.returncode == 1 and "cannot bind" in proc.stderr and proc.stdout == ""
@@ -614,7 +605,7 @@ async def test_redis_unreachable(redis_env):
 def test_redis_db_index(redis_env, text, index):
     if text is not None:
         redis_env.setenv("MC_REDIS_DB_INDEX", text)
-    assert metastore._redis_db_index() == index
+    assert redis_store._redis_db_index() == index
 
 
 def test_redis_package_missing(monkeypatch):
@@ -626,7 +617,7 @@ def test_redis_package_missing(monkeypatch):
 
 # --- etcd -------------------------------------------------------------------------------------------
 
-from flagcx_mc.metastore_etcd import EtcdMetadataStore, split_etcd_url  # noqa: E402
+from flagcx_mc.metadata.etcd_store import EtcdMetadataStore, split_etcd_url  # noqa: E402
 
 
 def test_etcd_endpoints_are_split_as_mooncake_takes_them():
@@ -636,7 +627,7 @@ def test_etcd_endpoints_are_split_as_mooncake_takes_them():
 
 async def _etcd_raw(port: int, op: str, request: dict) -> dict:
     """etcd's own JSON API, asked directly (what a Mooncake node's etcd client sees)."""
-    from flagcx_mc.metastore import format_request, http_roundtrip
+    from flagcx_mc.metadata.http_store import format_request, http_roundtrip
 
     message = format_request("POST", f"/v3/kv/{op}", f"{HOST}:{port}", orjson.dumps(request))
     status, answer = await http_roundtrip(HOST, port, message, "POST", "etcd", 5.0, what=op)

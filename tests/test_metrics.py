@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from flagcx_mc import HostBuffer, TransferEngine
-from flagcx_mc.metrics import LATENCY_BUCKETS, export_prometheus
+from flagcx_mc.engine.metrics import LATENCY_BUCKETS, export_prometheus
 
 
 def test_counters_histograms_and_failure_logs(node, caplog):

@@ -6,11 +6,10 @@ import asyncio
 import hashlib
 
 import pytest
-
-from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, errors
-from flagcx_mc.node import NodeProcess
 from servers import mooncake_missing
 
+from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, errors
+from flagcx_mc._testing.node import NodeProcess
 
 _WHY = mooncake_missing()
 pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"Mooncake wheel not importable here: {_WHY}")
@@ -114,8 +113,8 @@ async def test_native_protocol_between_flagcx_mc_nodes(engine, node, local_buf):
 
 
 def test_mooncake_v1_peer_is_refused_for_safety():
-    from flagcx_mc.metadata import SegmentDesc
-    from flagcx_mc.sessions import SessionCache
+    from flagcx_mc.engine.sessions import SessionCache
+    from flagcx_mc.metadata.descriptor import SegmentDesc
 
     desc = SegmentDesc(name="x:1", tcp_data_port=5, tcp_proto_version=1)
     with pytest.raises(errors.NotSupportedError, match="v1"):

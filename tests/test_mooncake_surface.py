@@ -12,7 +12,13 @@ import textwrap
 import pytest
 
 import flagcx_mc
-from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, TransferNotify, TransferOpcode, errors
+from flagcx_mc import (
+    HostBuffer,
+    TransferEngine,
+    TransferNotify,
+    TransferOpcode,
+    errors,
+)
 
 
 @pytest.fixture(scope="module")

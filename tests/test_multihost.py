@@ -20,10 +20,11 @@ import time
 from typing import List, Optional
 
 import pytest
-
-from flagcx_mc.handshake import MessageType, request
-from flagcx_mc.node import NodeProcess
 from netns import Host, enter_netns, require_tool, run_tool
+
+from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.control.codec import MessageType
+from flagcx_mc.control.handshake import request
 
 MIB = 1 << 20
 ECONN, ETIMEOUT = -102, -105

@@ -4,18 +4,16 @@ registry still in charge, and a clean fallback to TCP where the kernel says no."
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from layouts import round_trip_runs_and_gaps
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
-from flagcx_mc.node import NodeProcess
-
-from layouts import round_trip_runs_and_gaps
+from flagcx_mc._testing.node import NodeProcess
 
 SIZES = [1, 4096, (1 << 20) + 7, 64 << 20]
 

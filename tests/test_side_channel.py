@@ -15,6 +15,7 @@ import orjson
 import pytest
 import zmq
 import zmq.asyncio
+from kv_peer_child import PeerProcess, block_digest
 
 from flagcx_mc import AsyncTransferEngine, TransferEngine
 from flagcx_mc.errors import InvalidArgumentError
@@ -39,7 +40,6 @@ from flagcx_mc.kv import (
     register_worker,
 )
 from flagcx_mc.kv.messages import ErrorReply, Ping, Pong, Result, decode, encode
-from kv_peer_child import PeerProcess, block_digest
 
 NB, LAYERS, BLOCK = 32, 3, 4096
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 PROCESSES, ENGINES_PER_PROCESS = 4, 16
 PEERS = PROCESSES * ENGINES_PER_PROCESS

@@ -12,11 +12,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from servers import free_port
 
 from flagcx_mc import HostBuffer, TransferEngine
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 from flagcx_mc.config import EngineConfig, mooncake_transfer_timeout
-from servers import free_port
 
 
 def _started_engine(protocol, **config):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 TIMEOUT = 1.0
 BIG = 64 << 20  # far more than the socket buffers hold, so a frozen target stalls the sender

@@ -20,7 +20,7 @@ async def engine(request, local_buf):
 
 
 async def test_unregister_under_write_traffic(engine, local_buf):
-    from flagcx_mc.node import NodeProcess
+    from flagcx_mc._testing.node import NodeProcess
 
     target = await asyncio.to_thread(NodeProcess, regions=[32 << 20])
     try:

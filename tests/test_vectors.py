@@ -13,12 +13,11 @@ import hashlib
 import random
 
 import pytest
+from layouts import round_trip_runs_and_gaps
 
 from flagcx_mc import AsyncTransferEngine, errors
-from flagcx_mc.node import NodeProcess
-from flagcx_mc.transfer import OP_WRITE, TransferRequest
-
-from layouts import round_trip_runs_and_gaps
+from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.engine.requests import OP_WRITE, TransferRequest
 
 # Mixed sizes, small ones (vector entries go up to 64 KiB) and a few that travel alone.
 BLOCKS = [1, 3, 512, 4096, 4096, 9000, 65536, 65537, 300_000]

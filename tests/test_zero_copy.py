@@ -13,7 +13,7 @@ import time
 import pytest
 
 from flagcx_mc import HostBuffer, TransferEngine
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 MIB = 1 << 20
 SIZE = 32 * MIB

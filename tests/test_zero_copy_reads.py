@@ -24,7 +24,7 @@ import pytest
 
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc._core import CoreEngine
-from flagcx_mc.node import NodeProcess
+from flagcx_mc._testing.node import NodeProcess
 
 KIB, MIB = 1 << 10, 1 << 20
 REQ = struct.Struct("<BBHIQQQ")   # opcode, flags, reserved, key, id, addr, len

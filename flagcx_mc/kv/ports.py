@@ -50,7 +50,7 @@ __all__ = [
     "lookup_workers",
 ]
 
-log = logging.getLogger("flagcx_mc.kv")
+log = logging.getLogger(__name__)
 
 _POLL_INTERVAL = 0.05
 

@@ -64,7 +64,7 @@ from .ports import bind_free
 
 __all__ = ["KVSender", "KVReceiver", "Outcome", "Status", "SideChannelError", "DEFAULT_TTL", "DEFAULT_GRACE"]
 
-log = logging.getLogger("flagcx_mc.kv")
+log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 30.0  # seconds prefill may take to start a request's transfer
 DEFAULT_GRACE = 35.0  # covers Mooncake's default 30 s transfer timeout

@@ -90,7 +90,7 @@ try:
 except (OSError, ET.ParseError) as exc:
     print(f"run_asan: no test results ({exc}): a sanitizer error probably killed the run")
     status = 1
-ours = re.compile(r" in fmc_\w+ |_cffi_build/src/fmc_\w+\.c|argpack\.c")  # a frame in our own C code
+ours = re.compile(r" in fmc_\w+ |_cffi_build/src/(\w+/)?fmc_\w+\.c|argpack\.c")  # a frame in our own C code
 errors, leaks, foreign = [], [], 0
 for path in sorted(glob.glob(f"{work}/reports/asan.*")):
     text = open(path, errors="replace").read()

@@ -1,0 +1,339 @@
+"""asyncio handshake listener and one-shot client; all byte handling lives in codec.py.
+
+The server answers each frame with one frame of the same type (Mooncake clients reject
+anything else) and keeps reading until EOF, so it serves both Mooncake's
+one-request-per-connection clients and clients that reuse a connection. Every failure of
+one connection is logged and contained there: the listener keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+from typing import Any, Awaitable, Callable, Mapping
+
+from ..errors import (
+    DnsError,
+    EndpointError,
+    EngineStateError,
+    FlagcxMcError,
+    HandshakeRejectedError,
+    HandshakeTimeoutError,
+    InvalidArgumentError,
+    LocalProtocolError,
+    MalformedJsonError,
+    PeerConnectionError,
+    RemoteProtocolError,
+)
+from ..net.addresses import format_host_port, rpc_port_range
+from ..net.listeners import bind_listener, close_server, peer_name
+from .codec import (
+    FrameDecoder,
+    Message,
+    MessageType,
+    encode_message,
+    max_length_from_env,
+)
+
+__all__ = ["Handler", "HandshakeServer", "request", "PORT_ATTEMPTS", "LISTEN_BACKLOG"]
+
+_log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Awaitable[dict]]
+
+PORT_ATTEMPTS = 500  # Mooncake's findAvailableTcpPort tries this many random ports
+LISTEN_BACKLOG = 128  # Mooncake's MC_HANDSHAKE_LISTEN_BACKLOG default
+_READ_CHUNK = 64 * 1024
+_CLOSE_GRACE = 1.0  # bound on waiting for a closed transport to finish
+
+
+class HandshakeServer:
+    """Listener that dispatches handshake frames to per-type async handlers.
+
+    Args:
+        handlers: coroutine per message type; each returns the reply payload.
+        max_length: frame length cap; ``None`` reads ``MC_HANDSHAKE_MAX_LENGTH``.
+        read_timeout: seconds a connection may sit idle or take to deliver one frame.
+        max_connections: concurrent connections beyond which new ones are closed at once.
+    """
+
+    def __init__(
+        self,
+        handlers: Mapping[MessageType, Handler],
+        *,
+        max_length: int | None = None,
+        read_timeout: float = 5.0,
+        max_connections: int = 1024,
+    ) -> None:
+        if read_timeout <= 0:
+            raise InvalidArgumentError(f"read_timeout must be positive, not {read_timeout!r}")
+        if max_connections < 1:
+            raise InvalidArgumentError(f"max_connections must be >= 1, not {max_connections!r}")
+        self._handlers = {MessageType(k): v for k, v in handlers.items()}
+        self._max_length = FrameDecoder(max_length).max_length  # validates it early
+        self._read_timeout = read_timeout
+        self._max_connections = max_connections
+        self._server: asyncio.AbstractServer | None = None
+        self._port: int | None = None
+        self._conns: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        """The bound port (raises EngineStateError before ``start``)."""
+        if self._port is None:
+            raise EngineStateError("handshake server is not started")
+        return self._port
+
+    @property
+    def connection_count(self) -> int:
+        """Connections currently being served."""
+        return len(self._conns)
+
+    async def start(self, host: str, port: int | None = 0) -> int:
+        """Bind to ``host`` only and start accepting.
+
+        Args:
+            host: address or name to bind; the first address it resolves to is used.
+            port: ``None`` picks like Mooncake (up to 500 random ports from
+                ``rpc_port_range()``), ``0`` lets the OS choose, ``> 0`` binds exactly it.
+
+        Returns:
+            The bound port.
+
+        Raises:
+            EngineStateError: already started or closed.
+            DnsError: ``host`` does not resolve.
+            EndpointError: no port could be bound.
+        """
+        if self._server is not None or self._closed:
+            raise EngineStateError("handshake server already started or closed")
+        if not host:
+            raise InvalidArgumentError("host must be given; pass '0.0.0.0' to bind all")
+        if port is not None and not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"port {port} is outside 0..65535")
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(
+                host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        except socket.gaierror as exc:
+            raise DnsError(f"cannot resolve handshake host {host!r}: {exc}") from None
+        family, stype, proto, _, addr = infos[0]
+        if port is None:
+            low, high = rpc_port_range()
+            candidates = [random.randint(low, high) for _ in range(PORT_ATTEMPTS)]
+        else:
+            candidates = [port]
+        sock = None
+        last: OSError | None = None
+        for candidate in candidates:
+            try:
+                sock = bind_listener(family, stype, proto, (addr[0], candidate, *addr[2:]), LISTEN_BACKLOG)
+                break
+            except OSError as exc:
+                last = exc
+        if sock is None:
+            where = format_host_port(host, candidates[0] if port is not None else 0)
+            tried = "" if port is not None else f" ({len(candidates)} random ports tried)"
+            raise EndpointError(f"cannot bind handshake listener {where}{tried}: {last}")
+        try:
+            self._server = await asyncio.start_server(self._on_connect, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._port = sock.getsockname()[1]
+        _log.debug("handshake server listening on %s", format_host_port(host, self._port))
+        return self._port
+
+    async def close(self) -> None:
+        """Stop listening, drop every live connection and wait for their tasks."""
+        self._closed = True
+        server, self._server = self._server, None
+        await close_server(server, self._conns)
+
+    async def __aenter__(self) -> "HandshakeServer":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._closed or len(self._conns) >= self._max_connections:
+            _log.warning(
+                "handshake: refusing %s: %d connections already open",
+                peer_name(writer),
+                len(self._conns),
+            )
+            writer.transport.abort()
+            writer.close()
+            return
+        self._conns.add(task)
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            pass  # close() cancels us; end quietly so the loop logs nothing
+        except Exception:  # noqa: BLE001 - never let one peer's failure reach the loop
+            _log.exception("handshake: connection from %s failed", peer_name(writer))
+        finally:
+            self._conns.discard(task)
+            await _close_writer(writer)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        decoder = FrameDecoder(self._max_length)
+        # One deadline per frame (reset after each full frame), so a peer dribbling bytes
+        # cannot keep a connection alive forever.
+        deadline = loop.time() + self._read_timeout
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                data = await asyncio.wait_for(reader.read(_READ_CHUNK), remaining)
+            except asyncio.TimeoutError:
+                state = "mid-frame" if decoder.has_partial else "idle"
+                _log.info("handshake: closing %s connection from %s", state, peer_name(writer))
+                return
+            except OSError as exc:
+                _log.info("handshake: connection from %s lost: %s", peer_name(writer), exc)
+                return
+            if not data:
+                if decoder.has_partial:
+                    _log.warning("handshake: %s closed mid-frame", peer_name(writer))
+                return
+            try:
+                messages = decoder.feed(data)
+            except (RemoteProtocolError, MalformedJsonError) as exc:
+                _log.warning("handshake: dropping %s: %s", peer_name(writer), exc)
+                return
+            for message in messages:
+                writer.write(await self._reply(message))
+                try:
+                    await asyncio.wait_for(writer.drain(), self._read_timeout)
+                except (OSError, asyncio.TimeoutError) as exc:
+                    _log.info("handshake: cannot reply to %s: %r", peer_name(writer), exc)
+                    return
+            if messages:
+                deadline = loop.time() + self._read_timeout
+
+    async def _reply(self, message: Message) -> bytes:
+        """Run the handler and encode its answer; any failure becomes an error reply."""
+        handler = self._handlers.get(message.type)
+        if handler is None:
+            payload: dict = {"error": f"unsupported message type {int(message.type)}"}
+        else:
+            try:
+                payload = await handler(message)
+                return encode_message(message.type, payload, max_length=self._max_length)
+            except Exception as exc:  # noqa: BLE001 - reported to the peer instead
+                _log.exception("handshake: %s handler failed", message.type.name)
+                payload = {"error": str(exc) or type(exc).__name__}
+        try:
+            return encode_message(message.type, payload, max_length=self._max_length)
+        except LocalProtocolError:
+            return encode_message(message.type, {"error": "reply could not be encoded"})
+
+
+async def request(
+    host: str,
+    port: int,
+    type: MessageType,
+    payload: dict,
+    *,
+    timeout: float = 5.0,
+    max_length: int | None = None,
+) -> dict:
+    """Send one frame to ``host:port`` and return the payload of its one reply.
+
+    Raises:
+        LocalProtocolError: ``payload`` cannot be framed.
+        DnsError: ``host`` does not resolve.
+        PeerConnectionError: refused, reset, or closed before a full reply.
+        HandshakeTimeoutError: the whole exchange took longer than ``timeout``.
+        RemoteProtocolError: a bad reply frame, or a reply of another type.
+        MalformedJsonError: the reply is not a JSON object.
+        HandshakeRejectedError: the reply carries a non-empty ``"error"`` string.
+    """
+    where = format_host_port(host, port)
+    limit = max_length if max_length is not None else max_length_from_env()
+    frame = encode_message(type, payload, max_length=limit)
+    mtype = MessageType(type)
+    try:
+        reply = await asyncio.wait_for(_exchange(host, port, where, frame, limit), timeout)
+    except asyncio.TimeoutError:
+        raise HandshakeTimeoutError(
+            f"{mtype.name} handshake with {where} timed out after {timeout}s"
+        ) from None
+    if reply.type != mtype:
+        raise RemoteProtocolError(
+            f"{where} answered a {mtype.name} request with a {reply.type.name} frame"
+        )
+    error = reply.payload.get("error")
+    if isinstance(error, str) and error:
+        raise HandshakeRejectedError(f"{where} rejected {mtype.name}: {error}")
+    return reply.payload
+
+
+async def _exchange(host: str, port: int, where: str, frame: bytes, limit: int) -> Message:
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DnsError(f"cannot resolve {where}: {exc}") from None
+    sock = await _connect_any(infos, where)
+    try:
+        reader, writer = await asyncio.open_connection(sock=sock, limit=_READ_CHUNK)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        writer.write(frame)
+        await writer.drain()
+        decoder = FrameDecoder(limit)
+        while True:
+            data = await reader.read(_READ_CHUNK)
+            if not data:
+                raise PeerConnectionError(f"{where} closed the connection before a full reply")
+            try:
+                messages = decoder.feed(data)
+            except (RemoteProtocolError, MalformedJsonError) as exc:
+                raise type(exc)(f"bad reply from {where}: {exc}") from None
+            if messages:
+                return messages[0]
+    except FlagcxMcError:
+        raise  # some of ours subclass OSError; keep them as they are
+    except OSError as exc:
+        raise PeerConnectionError(f"connection to {where} failed: {exc}") from None
+    finally:
+        await _close_writer(writer)
+
+
+async def _connect_any(infos: list[Any], where: str) -> socket.socket:
+    """Try each resolved address in turn, like Mooncake's doConnect."""
+    loop = asyncio.get_running_loop()
+    last: OSError | None = None
+    for family, stype, proto, _, addr in infos:
+        sock = socket.socket(family, stype, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise PeerConnectionError(f"cannot connect to {where}: {last}")
+
+
+async def _close_writer(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(writer.wait_closed(), _CLOSE_GRACE)

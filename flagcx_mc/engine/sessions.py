@@ -1,0 +1,209 @@
+"""Session cache keyed ``"host:port"``: one handshake per peer, shared by every caller.
+
+The first transfer to a session resolves the peer's segment descriptor (a P2PHANDSHAKE Metadata
+round trip, or a metadata-server lookup: see resolvers.py) and opens its data streams; concurrent first transfers await the same task; different peers
+handshake concurrently.  A broken session is evicted and re-opened on next use; ``refresh``
+re-reads the peer's region table (memory it registered after first contact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .. import errors
+from .._core import PROTO_MOONCAKE, CoreEngine, CorePeer
+from ..config import EngineConfig
+from ..control.local_segment import boot_id
+from ..control.resolvers import Resolver
+from ..metadata.descriptor import SegmentDesc
+from .metrics import EngineMetrics
+
+__all__ = ["Session", "SessionCache"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """An open session: the peer's descriptor and the core's connected peer."""
+
+    name: str
+    host: str
+    rpc_port: int
+    desc: SegmentDesc
+    peer: CorePeer
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+class SessionCache:
+    """Open sessions of one engine; lives on the engine's event loop."""
+
+    def __init__(self, core: CoreEngine, config: EngineConfig, executor: Executor, resolver: Resolver,
+                 metrics: EngineMetrics) -> None:
+        self._core = core
+        self._metrics = metrics
+        self._config = config
+        self._executor = executor
+        self._resolver = resolver
+        self._open: Dict[str, Session] = {}
+        self._opening: Dict[str, asyncio.Task] = {}
+        self._refreshing: Dict[str, asyncio.Task] = {}
+        self._fallbacks_logged: set = set()
+
+    def peek(self, name: str) -> Optional[Session]:
+        """The open, healthy session for ``name`` or None; safe from any thread."""
+        session = self._open.get(name)
+        if session is not None and session.peer.healthy:
+            return session
+        return None
+
+    async def get(self, name: str) -> Session:
+        """Return the open session, handshaking first if needed (once for concurrent callers)."""
+        session = self._open.get(name)
+        if session is not None:
+            if session.peer.healthy:
+                return session
+            self.evict(name, session, "its data connection is down")
+        task = self._opening.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._open_session(name))
+            self._opening[name] = task
+            task.add_done_callback(lambda t, n=name: self._opening.pop(n, None) if self._opening.get(n) is t else None)
+        return await asyncio.shield(task)
+
+    async def refresh(self, name: str, stale: Session) -> Session:
+        """Re-read the peer's region table; re-open the session if the peer restarted."""
+        if self._open.get(name) is not stale:
+            return await self.get(name)
+        task = self._refreshing.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._refresh(name, stale))
+            self._refreshing[name] = task
+            task.add_done_callback(lambda t, n=name: self._refreshing.pop(n, None))
+        return await asyncio.shield(task)
+
+    def evict(self, name: str, session: Session, reason: str) -> None:
+        """Drop a failed session; the next call to ``get`` opens a new one."""
+        if self._open.get(name) is session:
+            del self._open[name]
+            log.warning("session %s evicted: %s", name, reason)
+        session.close()
+
+    async def close(self) -> None:
+        for task in list(self._opening.values()) + list(self._refreshing.values()):
+            task.cancel()
+        for name, session in list(self._open.items()):
+            session.close()
+        self._open.clear()
+
+    async def _resolve(self, name: str) -> tuple:
+        host, port, desc = await self._resolver.resolve(name)
+        self._check_peer_kind(name, desc)
+        return host, port, desc
+
+    @staticmethod
+    def _check_peer_kind(name: str, desc: SegmentDesc) -> None:
+        """A flagcx_mc peer, or a plain Mooncake TCP node speaking v2 (v1 never confirms a write)."""
+        if desc.native is not None:
+            return
+        if desc.protocol != "tcp" or not desc.tcp_data_port:
+            raise errors.NotSupportedError(
+                f"{name} offers protocol {desc.protocol!r}; only flagcx_mc and Mooncake TCP peers are supported"
+            )
+        if desc.tcp_proto_version < 2:
+            raise errors.NotSupportedError(
+                f"{name} speaks Mooncake TCP v1, which reports writes done before they land; need v2 (Mooncake >= 0.3.12)"
+            )
+
+    async def _open_session(self, name: str) -> Session:
+        host, port, desc = await self._resolve(name)
+        peer = self._new_peer(host, desc)
+        peer.set_call_stats(self._metrics.core_counts(name))
+        loop = asyncio.get_running_loop()
+        timeout_ms = int(self._config.handshake_timeout * 1000)
+        await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+        session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer)
+        self._open[name] = session
+        log.debug("session %s open (%s): %d regions", name, "flagcx_mc" if desc.native else "Mooncake TCP",
+                  len(desc.buffers))
+        return session
+
+    def _new_peer(self, host: str, desc: SegmentDesc) -> CorePeer:
+        data_port = desc.native.data_port if desc.native else desc.tcp_data_port
+        peer = CorePeer(self._core, host, data_port, self._config.streams_per_peer, self._config.slice_size)
+        if desc.native is None:
+            peer.set_protocol(PROTO_MOONCAKE)
+        self._try_same_host(peer, desc)
+        _set_regions(peer, desc)
+        return peer
+
+    def _try_same_host(self, peer: CorePeer, desc: SegmentDesc) -> None:
+        """Copy with process_vm_writev when the peer runs on this kernel and lets us; otherwise
+        stay on TCP, saying why once (or fail, if the config demands the same-host path)."""
+        wanted = self._config.transport
+        native = desc.native
+        if wanted == "tcp":
+            return
+        reason = ""
+        if native is None or native.shm_fd < 0:
+            reason = "the peer offers no same-host control block"
+        elif native.boot_id != boot_id() or not native.boot_id:
+            reason = "the peer runs on another host"
+        else:
+            try:
+                peer.enable_same_host(native.pid, native.shm_fd, native.shm_addr)
+                return
+            except errors.FlagcxMcError as exc:
+                reason = str(exc)
+        if wanted == "same-host":
+            raise errors.NotSupportedError(f"same-host transport to {desc.name} unavailable: {reason}")
+        if native is not None and native.boot_id == boot_id() and reason not in self._fallbacks_logged:
+            self._fallbacks_logged.add(reason)
+            log.warning("same-host transport to %s unavailable, using TCP: %s", desc.name, reason)
+
+    async def _refresh(self, name: str, stale: Session) -> Session:
+        _, _, desc = await self._resolve(name)
+        if _identity(desc) != _identity(stale.desc):
+            self.evict(name, stale, "the peer restarted")
+            return await self.get(name)
+        _set_regions(stale.peer, desc)
+        stale.desc = desc
+        return stale
+
+
+def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
+    peer.set_regions(_regions(desc))
+    if desc.native is None:
+        return
+    peer.set_region_slots([(r.addr, r.slot, r.gen) for r in desc.native.regions])
+    for r in desc.native.regions:
+        if r.shm is not None and peer.same_host:
+            try:
+                peer.set_region_shm(r.addr, r.shm[0], r.shm[1])
+            except errors.FlagcxMcError as exc:  # then process_vm_writev serves it
+                log.info("cannot map shared region %#x of %s: %s", r.addr, desc.name, exc)
+        if r.cuda is not None:
+            try:
+                peer.set_region_gpu(r.addr, r.cuda)
+            except errors.FlagcxMcError as exc:  # that region then goes over TCP
+                log.warning("cannot map GPU region %#x of %s here: %s", r.addr, desc.name, exc)
+
+
+def _regions(desc: SegmentDesc) -> List[Tuple[int, int, int]]:
+    """(addr, length, key) of every remote region; Mooncake peers have no keys (0)."""
+    if desc.native is not None:
+        return [(r.addr, r.length, r.key) for r in desc.native.regions]
+    return [(b.addr, b.length, 0) for b in desc.buffers]
+
+
+def _identity(desc: SegmentDesc) -> tuple:
+    """What changes when the peer process behind a name is replaced."""
+    if desc.native is not None:
+        return ("native", desc.native.data_port, desc.native.pid, desc.native.boot_id)
+    return ("mooncake", desc.tcp_data_port)

@@ -1,0 +1,303 @@
+"""Segment descriptor: the JSON a peer returns for a METADATA handshake.
+
+The common keys match Mooncake's ``encodeSegmentDesc`` for the ``tcp`` protocol, so a
+Mooncake peer can read ours and we can read theirs. Our own data-plane details (native
+port, registered regions with their keys) ride under the extra key ``"flagcx_mc"``, which
+Mooncake ignores; a descriptor without it comes from a plain Mooncake peer.
+
+Decoding is strict because the descriptor comes off the network: addresses and lengths
+from it end up steering remote writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import MalformedJsonError
+
+__all__ = [
+    "NATIVE_KEY",
+    "BufferDesc",
+    "GpuShare",
+    "RegionDesc",
+    "NativeInfo",
+    "SegmentDesc",
+    "now_timestamp",
+]
+
+NATIVE_KEY = "flagcx_mc"
+
+_U64 = 1 << 64
+_U32 = 1 << 32
+MAX_GPU_CHUNKS = 8192  # VMM chunks of one region (the C core's FMC_CUDA_VMM_MAX_CHUNKS)
+
+
+def now_timestamp() -> str:
+    """Local time formatted like Mooncake's descriptor timestamps (microseconds)."""
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+@dataclass(frozen=True)
+class BufferDesc:
+    """One registered buffer as Mooncake describes it."""
+
+    name: str
+    addr: int
+    length: int
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """A GPU region, and how a same-host peer can map it: a legacy CUDA IPC handle (``cuMemAlloc``
+    memory), or VMM chunks (``cuMemCreate`` memory, e.g. torch's expandable segments) as file
+    descriptors of the owner's process.  Neither: peers still know it is GPU memory (TCP staging)."""
+
+    device: int
+    ipc: str = ""  # 64-byte handle as hex, with the allocation base it maps
+    base: int = 0
+    vmm: tuple[tuple[int, int, int], ...] = ()  # (base, size, fd) per chunk, in address order
+
+
+@dataclass(frozen=True)
+class RegionDesc:
+    """One registered region as our native data plane addresses it (``key`` is a u32)."""
+
+    addr: int
+    length: int
+    key: int
+    slot: int = -1  # same-host control slot (-1: none), with its generation
+    gen: int = 0
+    cuda: GpuShare | None = None  # GPU memory
+    shm: tuple | None = None   # engine-allocated shared memory: (memfd number in `pid`, size)
+
+
+@dataclass(frozen=True)
+class NativeInfo:
+    """What a flagcx_mc peer adds to its descriptor under ``"flagcx_mc"``."""
+
+    version: int
+    data_port: int
+    regions: tuple[RegionDesc, ...]
+    boot_id: str
+    pid: int
+    shm_fd: int = -1  # fd number of the same-host control block in process `pid` (-1: none)
+    shm_addr: int = 0  # its address there (peers probe it with process_vm_readv)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """JSON form stored under the ``"flagcx_mc"`` key."""
+        out = {
+            "version": self.version,
+            "data_port": self.data_port,
+            "regions": [_region_json(r) for r in self.regions],
+            "boot_id": self.boot_id,
+            "pid": self.pid,
+        }
+        if self.shm_fd >= 0:
+            out["shm_fd"], out["shm_addr"] = self.shm_fd, self.shm_addr
+        return out
+
+    @classmethod
+    def from_json_dict(cls, d: object) -> "NativeInfo":
+        """Validate and decode the ``"flagcx_mc"`` object.
+
+        Raises:
+            MalformedJsonError: any key missing or of the wrong type or range.
+        """
+        obj = _as_object(d, NATIVE_KEY)
+        regions = []
+        for i, item in enumerate(_req_list(obj, "regions", NATIVE_KEY)):
+            where = f"{NATIVE_KEY}.regions[{i}]"
+            r = _as_object(item, where)
+            addr = _req_uint(r, "addr", where)
+            length = _req_uint(r, "length", where)
+            if addr + length > _U64:
+                raise MalformedJsonError(f"{where}: addr + length overflows 64 bits")
+            slot, gen, cuda = -1, 0, None
+            if "slot" in r:
+                slot = _req_uint(r, "slot", where, bound=_U32)
+                gen = _req_uint(r, "gen", where, bound=_U32)
+            if "cuda" in r:
+                cuda = _gpu_share(r["cuda"], addr, length, f"{where}.cuda")
+            shm = None
+            if "shm" in r:
+                m = _as_object(r["shm"], f"{where}.shm")
+                shm = (_req_uint(m, "fd", f"{where}.shm", bound=1 << 31), _req_uint(m, "size", f"{where}.shm"))
+                if shm[1] != length:
+                    raise MalformedJsonError(f"{where}.shm: size differs from the region's length")
+            regions.append(RegionDesc(addr, length, _req_uint(r, "key", where, bound=_U32), slot, gen, cuda, shm))
+        return cls(
+            version=_req_uint(obj, "version", NATIVE_KEY),
+            data_port=_req_port(obj, "data_port", NATIVE_KEY),
+            regions=tuple(regions),
+            boot_id=_req_str(obj, "boot_id", NATIVE_KEY),
+            pid=_req_uint(obj, "pid", NATIVE_KEY),
+            shm_fd=_req_uint(obj, "shm_fd", NATIVE_KEY, bound=1 << 31) if "shm_fd" in obj else -1,
+            shm_addr=_req_uint(obj, "shm_addr", NATIVE_KEY) if "shm_fd" in obj else 0,
+        )
+
+
+def _gpu_share(value: object, addr: int, length: int, where: str) -> GpuShare:
+    """``{"dev"}`` plus ``"ipc"`` and ``"base"``, or ``"vmm"``: chunks that, side by side, cover the region."""
+    c = _as_object(value, where)
+    device = _req_uint(c, "dev", where, bound=1024)
+    if "ipc" in c and "vmm" in c:
+        raise MalformedJsonError(f"{where}: both ipc and vmm")
+    if "ipc" in c:
+        handle = _req_str(c, "ipc", where)
+        if len(handle) != 128 or any(ch not in "0123456789abcdef" for ch in handle):
+            raise MalformedJsonError(f"{where}.ipc: not a 64-byte hex handle")
+        return GpuShare(device, ipc=handle, base=_req_uint(c, "base", where))
+    if "vmm" not in c:
+        return GpuShare(device)
+    items = _req_list(c, "vmm", where)
+    if not 0 < len(items) <= MAX_GPU_CHUNKS:
+        raise MalformedJsonError(f"{where}.vmm: {len(items)} chunks (1 to {MAX_GPU_CHUNKS})")
+    chunks = []
+    for i, item in enumerate(items):
+        if (not isinstance(item, list) or len(item) != 3
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in item)):
+            raise MalformedJsonError(f"{where}.vmm[{i}]: not [base, size, fd]")
+        base, size, fd = item
+        if size == 0 or base + size > _U64 or fd >= 1 << 31:
+            raise MalformedJsonError(f"{where}.vmm[{i}]: out of range")
+        if chunks and base != chunks[-1][0] + chunks[-1][1]:
+            raise MalformedJsonError(f"{where}.vmm[{i}]: not right after the chunk before")
+        chunks.append((base, size, fd))
+    if chunks[0][0] > addr or chunks[-1][0] + chunks[-1][1] < addr + length:
+        raise MalformedJsonError(f"{where}.vmm: the chunks do not cover the region")
+    return GpuShare(device, vmm=tuple(chunks))
+
+
+def _region_json(r: RegionDesc) -> dict[str, Any]:
+    out = {"addr": r.addr, "length": r.length, "key": r.key}
+    if r.slot >= 0:
+        out["slot"], out["gen"] = r.slot, r.gen
+    if r.cuda is not None:
+        out["cuda"] = {"dev": r.cuda.device}
+        if r.cuda.ipc:
+            out["cuda"].update(ipc=r.cuda.ipc, base=r.cuda.base)
+        if r.cuda.vmm:
+            out["cuda"]["vmm"] = [list(chunk) for chunk in r.cuda.vmm]
+    if r.shm is not None:
+        out["shm"] = {"fd": r.shm[0], "size": r.shm[1]}
+    return out
+
+
+@dataclass(frozen=True)
+class SegmentDesc:
+    """A segment descriptor; ``native`` is None for a plain Mooncake peer."""
+
+    name: str
+    protocol: str = "tcp"
+    tcp_data_port: int = 0
+    tcp_proto_version: int = 2
+    timestamp: str = ""
+    buffers: tuple[BufferDesc, ...] = ()
+    native: NativeInfo | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Mooncake's keys (plus ``"flagcx_mc"`` when native is set); stamps the time if unset."""
+        d: dict[str, Any] = {
+            "name": self.name,
+            "protocol": self.protocol,
+            "tcp_data_port": self.tcp_data_port,
+            "tcp_proto_version": self.tcp_proto_version,
+            "timestamp": self.timestamp or now_timestamp(),
+            "buffers": [{"name": b.name, "addr": b.addr, "length": b.length} for b in self.buffers],
+        }
+        if self.native is not None:
+            d[NATIVE_KEY] = self.native.to_json_dict()
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: object) -> "SegmentDesc":
+        """Validate and decode a descriptor received from a peer.
+
+        Unknown keys are ignored (Mooncake RDMA peers add ``devices``, ``rkey``...).
+        ``tcp_proto_version`` defaults to 1 when absent, as Mooncake reads it.
+
+        Raises:
+            MalformedJsonError: a required key is missing (``name``, ``protocol``,
+                ``buffers``, and ``tcp_data_port`` for ``tcp``), a value has the wrong type
+                (a bool is not an int) or range, or a buffer has an empty name, a zero
+                address or length, or wraps past 2**64.
+        """
+        obj = _as_object(d, "segment")
+        protocol = _req_str(obj, "protocol", "segment")
+        if protocol == "tcp" or "tcp_data_port" in obj:
+            tcp_data_port = _req_port(obj, "tcp_data_port", "segment")
+        else:
+            tcp_data_port = 0
+        buffers = []
+        for i, item in enumerate(_req_list(obj, "buffers", "segment")):
+            where = f"buffers[{i}]"
+            b = _as_object(item, where)
+            name = _req_str(b, "name", where)
+            addr = _req_uint(b, "addr", where)
+            length = _req_uint(b, "length", where)
+            if not name or addr == 0 or length == 0:
+                raise MalformedJsonError(f"{where}: empty name or zero addr/length")
+            if addr + length > _U64:
+                raise MalformedJsonError(f"{where}: addr + length overflows 64 bits")
+            buffers.append(BufferDesc(name, addr, length))
+        native = None
+        if NATIVE_KEY in obj:
+            native = NativeInfo.from_json_dict(obj[NATIVE_KEY])
+        return cls(
+            name=_req_str(obj, "name", "segment"),
+            protocol=protocol,
+            tcp_data_port=tcp_data_port,
+            tcp_proto_version=(
+                _req_uint(obj, "tcp_proto_version", "segment")
+                if "tcp_proto_version" in obj
+                else 1
+            ),
+            timestamp=_req_str(obj, "timestamp", "segment") if "timestamp" in obj else "",
+            buffers=tuple(buffers),
+            native=native,
+        )
+
+
+def _as_object(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise MalformedJsonError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _require(obj: Mapping[str, Any], key: str, where: str) -> Any:
+    try:
+        return obj[key]
+    except KeyError:
+        raise MalformedJsonError(f"{where}: missing key {key!r}") from None
+
+
+def _req_str(obj: Mapping[str, Any], key: str, where: str) -> str:
+    value = _require(obj, key, where)
+    if not isinstance(value, str):
+        raise MalformedJsonError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _req_list(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    value = _require(obj, key, where)
+    if not isinstance(value, list):
+        raise MalformedJsonError(f"{where}.{key}: expected an array, got {type(value).__name__}")
+    return value
+
+
+def _req_uint(obj: Mapping[str, Any], key: str, where: str, *, bound: int = _U64) -> int:
+    value = _require(obj, key, where)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedJsonError(f"{where}.{key}: expected an integer, got {type(value).__name__}")
+    if not 0 <= value < bound:
+        raise MalformedJsonError(f"{where}.{key}: {value} is outside 0..{bound - 1}")
+    return value
+
+
+def _req_port(obj: Mapping[str, Any], key: str, where: str) -> int:
+    value = _req_uint(obj, key, where)
+    if value > 65535:
+        raise MalformedJsonError(f"{where}.{key}: port {value} is outside 0..65535")
+    return value

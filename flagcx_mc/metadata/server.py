@@ -1,0 +1,471 @@
+"""Mooncake-compatible HTTP metadata server: ``/metadata?key=...`` over an in-memory dict.
+
+Answers as Mooncake's reference server (``mooncake-wheel/mooncake/http_metadata_server.py``)
+does, in this order:
+
+- a path other than ``/metadata`` -> 404;
+- a server token is set and the request lacks ``Authorization: Bearer <token>`` -> 401;
+- no ``key`` query parameter, or a blank one (keys are stripped) -> 400;
+- ``GET``: 200 with the stored bytes, or 404;
+- ``PUT``: stores the body, 200. A key containing ``rpc_meta`` that already exists: the
+  same bytes again -> 200 ("metadata unchanged"), other bytes -> 400 ("Duplicate rpc_meta
+  key not allowed"). A new key beyond ``max_keys``, or a store beyond ``max_total_bytes``
+  -> 507;
+- ``DELETE``: 200, or 404 if the key is absent;
+- any other method -> 405.
+
+Added here: bodies above ``max_body`` -> 413; malformed HTTP -> 400 (oversized head 431,
+unknown transfer coding 501, HTTP other than 1.x 505, unknown ``Expect`` 417), after
+which the connection is closed. ``Expect: 100-continue`` (curl sends it with larger
+bodies) is honoured; connections are kept alive per HTTP/1.1 rules. It binds only the
+host it is given.
+
+Run it as ``python -m flagcx_mc.metadata.server --port 8080``; the first line on stdout is
+the bound port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any, Sequence
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ..errors import DnsError, EndpointError, EngineStateError, InvalidArgumentError
+from ..net import http as _http
+from ..net.addresses import format_host_port
+from ..net.listeners import bind_listener, close_server, peer_name
+
+__all__ = ["MetadataServer", "main", "DEFAULT_PORT", "DEFAULT_MAX_BODY"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8080
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+DEFAULT_MAX_KEYS = 65536  # the reference server's MC_METADATA_MAX_KEYS default
+DEFAULT_MAX_TOTAL_BYTES = 1 << 30  # ... and its MC_METADATA_MAX_TOTAL_BYTES default
+_LISTEN_BACKLOG = 128
+_MAX_BLANK_LINES = 16  # stray CRLFs tolerated between requests on one connection
+_JSON = "application/json"
+_TEXT = "text/plain; charset=utf-8"
+
+
+class _Reject(Exception):
+    """Answer the request with ``status`` and ``message`` without reading its body."""
+
+    def __init__(self, status: int, message: str, content_type: str = _JSON) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message.encode()
+        self.content_type = content_type
+
+
+class MetadataServer:
+    """The HTTP metadata server, on the running event loop.
+
+    Args:
+        host: address or name to bind; only the first address it resolves to is bound.
+        port: port to bind; 0 lets the OS choose (``start`` returns it).
+        token: bearer token every request must carry; ``None`` = no authentication.
+        max_body: largest request body accepted, in bytes.
+        max_keys: most keys held at once.
+        max_total_bytes: most value bytes held at once.
+        idle_timeout: seconds a connection may wait for, or take to send, one request.
+        max_connections: concurrent connections beyond which new ones are closed at once.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        token: str | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+        idle_timeout: float = 30.0,
+        max_connections: int = 1024,
+    ) -> None:
+        if not isinstance(host, str) or not host:
+            raise InvalidArgumentError("host must be given; pass '0.0.0.0' to bind all")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"port must be in 0..65535, not {port!r}")
+        for name, value in (
+            ("max_body", max_body),
+            ("max_keys", max_keys),
+            ("max_total_bytes", max_total_bytes),
+            ("max_connections", max_connections),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, not {value!r}")
+        if not idle_timeout > 0:
+            raise InvalidArgumentError(f"idle_timeout must be positive, not {idle_timeout!r}")
+        self._host = host
+        self._requested_port = port
+        self._token = token.encode() if token else None
+        self._max_body = max_body
+        self._max_keys = max_keys
+        self._max_total_bytes = max_total_bytes
+        self._idle_timeout = float(idle_timeout)
+        self._max_connections = max_connections
+        self._store: dict[str, bytes] = {}
+        self._total_bytes = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._port: int | None = None
+        self._conns: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        """The bound port (raises EngineStateError before ``start``)."""
+        if self._port is None:
+            raise EngineStateError("metadata server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metadata``: what engines pass as ``metadata_server``."""
+        return f"http://{format_host_port(self._host, self.port)}/metadata"
+
+    def keys(self) -> list[str]:
+        """The keys held now, sorted."""
+        return sorted(self._store)
+
+    async def start(self) -> int:
+        """Bind and start serving.
+
+        Returns:
+            The bound port.
+
+        Raises:
+            EngineStateError: already started or closed.
+            DnsError: the host does not resolve.
+            EndpointError: the port cannot be bound.
+        """
+        if self._server is not None or self._closed:
+            raise EngineStateError("metadata server already started or closed")
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(
+                self._host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        except socket.gaierror as exc:
+            raise DnsError(f"cannot resolve metadata server host {self._host!r}: {exc}") from None
+        family, stype, proto, _, addr = infos[0]
+        where = format_host_port(self._host, self._requested_port)
+        try:
+            sock = bind_listener(family, stype, proto, (addr[0], self._requested_port, *addr[2:]), _LISTEN_BACKLOG)
+        except OSError as exc:
+            raise EndpointError(f"cannot bind metadata server to {where}: {exc}") from None
+        try:
+            self._server = await asyncio.start_server(self._on_connect, sock=sock, limit=_http.MAX_HEAD)
+        except BaseException:
+            sock.close()
+            raise
+        self._port = sock.getsockname()[1]
+        _log.info("metadata server listening on %s", self.url)
+        return self._port
+
+    async def close(self) -> None:
+        """Stop listening, drop every connection and wait for their tasks. Idempotent."""
+        self._closed = True
+        server, self._server = self._server, None
+        await close_server(server, self._conns)
+
+    async def __aenter__(self) -> "MetadataServer":
+        if self._server is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # --- connections ----------------------------------------------------------------------
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._closed or len(self._conns) >= self._max_connections:
+            _log.warning("metadata server: refusing %s: %d connections open", peer_name(writer), len(self._conns))
+            writer.transport.abort()
+            writer.close()
+            return
+        self._conns.add(task)
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            pass  # close() cancels us; end quietly
+        except Exception:  # noqa: BLE001 - one client's failure never reaches the loop
+            _log.exception("metadata server: connection from %s failed", peer_name(writer))
+        finally:
+            self._conns.discard(task)
+            await _http.close_writer(writer)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        blank = 0
+        while not self._closed:
+            try:
+                raw = await asyncio.wait_for(_http.read_head(reader), self._idle_timeout)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+                return  # idle, closed by the client, or reset
+            except _http.HttpViolation as exc:
+                await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
+                return
+            raw = raw.lstrip(b"\r\n")
+            if not raw:
+                blank += 1
+                if blank > _MAX_BLANK_LINES:
+                    return
+                continue
+            blank = 0
+            if not await self._handle(raw, reader, writer):
+                return
+
+    async def _handle(self, raw: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; return whether the connection stays open."""
+        try:
+            head = _http.parse_request_head(raw)
+            method, target, version = head.start
+            if version == "1.1" and head.get("host") is None:
+                raise _http.HttpViolation("HTTP/1.1 request without a Host header")
+            framing = _http.body_framing(head, self._max_body)
+            expect = head.tokens("expect")
+            if expect and expect != ["100-continue"]:
+                raise _http.HttpViolation(f"cannot meet expectation {head.get('expect')!r}", 417)
+        except _http.HttpViolation as exc:
+            _log.info("metadata server: bad request from %s: %s", peer_name(writer), exc)
+            await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
+            return False
+        connection = head.tokens("connection")
+        keep_alive = "close" not in connection and (version == "1.1" or "keep-alive" in connection)
+        head_only = method == "HEAD"
+        try:
+            key = self._route(method, target, head)
+        except _Reject as reject:
+            # An unread body would be taken for the next request: close instead.
+            close = not keep_alive or framing != 0
+            sent = await self._send(
+                writer, reject.status, reject.message, close=close,
+                head_only=head_only, content_type=reject.content_type,
+            )
+            return sent and not close
+        body = b""
+        if framing != 0:
+            if expect:
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            try:
+                body = await asyncio.wait_for(
+                    _http.read_body(reader, framing, self._max_body), self._idle_timeout
+                )
+            except _http.HttpViolation as exc:
+                await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
+                return False
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+                return False
+        status, message = self._apply(method, key, body)
+        _log.debug("metadata server: %s %r -> %d", method, key, status)
+        sent = await self._send(writer, status, message, close=not keep_alive)
+        return sent and keep_alive
+
+    def _route(self, method: str, target: str, head: _http.Head) -> str:
+        """The key a request addresses; raises ``_Reject`` for anything the store won't do."""
+        if target.startswith("/"):
+            path, _, query = target.partition("?")
+            path = path.partition("#")[0]
+            query = query.partition("#")[0]
+        elif target[:8].lower().startswith(("http://", "https://")):
+            parts = urlsplit(target)
+            path, query = parts.path or "/", parts.query
+        else:
+            raise _Reject(400, f"invalid request target {target[:80]!r}", _TEXT)
+        if unquote(path) != "/metadata":
+            raise _Reject(404, "404: Not Found", _TEXT)
+        if self._token is not None and not self._token_ok(head):
+            raise _Reject(401, "unauthorized")
+        try:
+            params = parse_qsl(query, keep_blank_values=True, errors="strict", max_num_fields=64)
+        except (UnicodeDecodeError, ValueError):
+            raise _Reject(400, "malformed query string") from None
+        key = next((value for name, value in params if name == "key"), "").strip()
+        if not key:
+            raise _Reject(400, "metadata key is required")
+        if method not in ("GET", "PUT", "DELETE"):
+            raise _Reject(405, "Method not allowed")
+        return key
+
+    def _token_ok(self, head: _http.Head) -> bool:
+        assert self._token is not None
+        scheme, _, presented = (head.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            return False
+        return hmac.compare_digest(presented.encode("latin-1"), self._token)
+
+    def _apply(self, method: str, key: str, body: bytes) -> tuple[int, bytes]:
+        """Run one store operation (no await inside: atomic on the loop)."""
+        store = self._store
+        if method == "GET":
+            value = store.get(key)
+            return (404, b"metadata not found") if value is None else (200, value)
+        if method == "DELETE":
+            old = store.pop(key, None)
+            if old is None:
+                return 404, b"metadata not found"
+            self._total_bytes -= len(old)
+            return 200, b"metadata deleted"
+        old = store.get(key)
+        if "rpc_meta" in key and old is not None:
+            # Re-publishing the same location is idempotent; a different one is a clash
+            # (two engines claiming one name), as in Mooncake's reference server.
+            if old == body:
+                return 200, b"metadata unchanged"
+            return 400, b"Duplicate rpc_meta key not allowed"
+        if old is None and len(store) >= self._max_keys:
+            return 507, b"metadata key budget exhausted"
+        total = self._total_bytes - (len(old) if old is not None else 0) + len(body)
+        if total > self._max_total_bytes:
+            return 507, b"metadata size budget exhausted"
+        store[key] = body
+        self._total_bytes = total
+        return 200, b"metadata updated"
+
+    async def _send(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        *,
+        close: bool,
+        head_only: bool = False,
+        content_type: str = _JSON,
+    ) -> bool:
+        writer.write(
+            _http.format_response(status, body, close=close, head_only=head_only, content_type=content_type)
+        )
+        try:
+            await asyncio.wait_for(writer.drain(), self._idle_timeout)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        return True
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def _int_env(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        _log.warning("ignoring %s=%r: not an integer", name, text)
+        return default
+    if value < 1:
+        _log.warning("ignoring %s=%r: not positive", name, text)
+        return default
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flagcx-mc metadata-server",
+        description="Mooncake-compatible HTTP metadata server: engines use "
+        "metadata_server='http://HOST:PORT/metadata'. Prints the bound port, then "
+        "serves until SIGINT or SIGTERM.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 = any (default: %(default)s)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="bearer token clients must send (default: $MC_METADATA_HTTP_TOKEN; unset = no authentication)",
+    )
+    parser.add_argument(
+        "--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest PUT body in bytes (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="(default: %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the metadata server from the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        _parser().error(f"--port must be in 0..65535, not {args.port}")
+    if args.max_body < 1:
+        _parser().error(f"--max-body must be positive, not {args.max_body}")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(_serve_until_signal(args))
+    except KeyboardInterrupt:  # interrupted before the signal handlers were in place
+        return 0
+
+
+async def _serve_until_signal(args: argparse.Namespace) -> int:
+    token = args.token if args.token is not None else (os.environ.get("MC_METADATA_HTTP_TOKEN") or None)
+    server = MetadataServer(
+        args.host,
+        args.port,
+        token=token,
+        max_body=args.max_body,
+        max_keys=_int_env("MC_METADATA_MAX_KEYS", DEFAULT_MAX_KEYS),
+        max_total_bytes=_int_env("MC_METADATA_MAX_TOTAL_BYTES", DEFAULT_MAX_TOTAL_BYTES),
+    )
+    try:
+        port = await server.start()
+    except (DnsError, EndpointError) as exc:
+        print(f"flagcx-mc metadata-server: {exc}", file=sys.stderr)
+        return 1
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (ValueError, RuntimeError, NotImplementedError):
+                pass  # not the main thread: Ctrl-C still ends asyncio.run
+        print(port, flush=True)
+        if token is None and not _is_loopback(args.host):
+            _log.warning(
+                "bound to %s with no token: anyone who can reach it can read and rewrite "
+                "cluster metadata; set MC_METADATA_HTTP_TOKEN here and on every engine",
+                args.host,
+            )
+        await stop.wait()
+        _log.info("shutting down")
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Command-line tools: ``flagcx-mc demo``, ``bench`` and ``metadata-server`` (``cli``)."""

@@ -1,0 +1,113 @@
+"""``flagcx-mc`` command line: the loopback demo, the benchmark and version information."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+
+def _parse_shape(text: str) -> tuple:
+    block, _, count = text.partition("x")
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    block = block.strip().lower()
+    mult = units.get(block[-1:], 1)
+    number = block[:-1] if block[-1:] in units else block
+    return int(number) * mult, int(count or 1)
+
+
+def _csv(convert):
+    def parse(text: str) -> list:
+        try:
+            return [convert(item) for item in text.split(",") if item.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def _add_bench_parser(sub) -> None:
+    from .bench.runner import TRANSPORTS, parse_size
+
+    bench = sub.add_parser("bench",
+                           help="sweep block and batch sizes per transport against Mooncake and physical limits")
+    bench.add_argument("--quick", action="store_true",
+                       help="small sweep (under a minute): 3 block sizes, one batch size")
+    bench.add_argument("--blocks", type=_csv(parse_size), metavar="SIZES",
+                       help="block sizes, e.g. 4k,64k,1m,64m (default 4 KiB to 64 MiB, x4 steps)")
+    bench.add_argument("--batch", type=_csv(int), metavar="COUNTS",
+                       help="blocks per batch, e.g. 1,32,1024 (capped at 64 MiB per batch)")
+    bench.add_argument("--streams", type=int,
+                       help="data streams per peer, the raw socket baseline's too (default: the engine's, "
+                            "half the CPUs from 4 to 8)")
+    bench.add_argument("--ops", type=_csv(str), default=["write", "read"], metavar="OPS", help="write,read")
+    bench.add_argument("--transports", type=_csv(str), metavar="NAMES",
+                       help="comma list of " + ", ".join(t.name for t in TRANSPORTS) + " (default all)")
+    bench.add_argument("--repeat", type=int, help="timed batches per trial (default: enough for 256 MiB, at most 1000)")
+    bench.add_argument("--trials", type=int, help="timed trials per measurement, the fastest reported (default 5)")
+    bench.add_argument("--latency-n", type=int, help="4 KiB sync writes in the latency test (default 2000)")
+    bench.add_argument("--steal-retries", type=int, metavar="N",
+                       help="measure a shape again, up to N times, when hypervisor steal took 10%% or more of "
+                            "the CPU time during it; the calmest pass is kept (default 2, 0: never)")
+    bench.add_argument("--json", metavar="PATH", default="bench-results/bench.json", help="results file ('' for none)")
+    bench.add_argument("--png", metavar="PATH", default="bench-results/bench.png",
+                       help="plot of GB/s vs block size, if matplotlib is installed ('' for none)")
+    bench.add_argument("--no-mooncake", action="store_true", help="skip Mooncake's engine")
+    bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench.runner import BenchOptions, run_bench
+
+    given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
+             "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
+             "steal_retries": args.steal_retries}
+    overrides = {k: v for k, v in given.items() if v is not None}
+    bad_ops = set(args.ops) - {"write", "read"}
+    if bad_ops or not args.ops:
+        print(f"--ops takes write and/or read, not {','.join(sorted(bad_ops)) or 'nothing'}", file=sys.stderr)
+        return 2
+    overrides.update(ops=args.ops, mooncake=not args.no_mooncake,
+                     json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
+    opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
+    return run_bench(opts)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="flagcx-mc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="two engines in two processes on 127.0.0.1: move, verify, time")
+    demo.add_argument("--shape", action="append", type=_parse_shape, metavar="BLOCKxCOUNT",
+                      help="block size and count, e.g. 4kx1024 or 64mx1 (repeatable)")
+    demo.add_argument("--repeat", type=int, default=3, help="timed repetitions per shape")
+    demo.add_argument("--streams", type=int, help="data streams per peer (default: the engine's)")
+    demo.add_argument("-v", "--verbose", action="store_true")
+    sub.add_parser("version", help="print the package and core versions")
+    sub.add_parser("metadata-server", add_help=False,
+                   help="a Mooncake-compatible HTTP metadata server (see `flagcx-mc metadata-server --help`)")
+    _add_bench_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["metadata-server"]:
+        from ..metadata.server import main as metadata_server_main
+
+        return metadata_server_main(argv[1:])
+    args = parser.parse_args(argv)
+
+    if args.command == "version":
+        import flagcx_mc
+
+        from .._core import core_version
+
+        print(f"flagcx_mc {flagcx_mc.__version__} (core {core_version()})")
+        return 0
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "bench":
+        return _run_bench(args)
+    from .demo import DEFAULT_SHAPES, run_demo
+
+    return run_demo(args.shape or DEFAULT_SHAPES, repeat=args.repeat, streams=args.streams)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
