@@ -15,7 +15,7 @@ assert owner.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
 assert user.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
 buf = HostBuffer(SIZE)
 assert user.register_memory(buf.addr, SIZE) == 0
-name, sessions = owner.session_name, user._engine._sessions
+name, sessions = owner.session_name, user._state.require_sessions()
 for cycle in range(3):
     target = owner.allocate_managed_buffer(SIZE + 4096)
     assert user.transfer_sync_write(name, buf.addr, target, 4096) == 0
@@ -39,7 +39,7 @@ for cycle in range(3):
     # The pool refuses unregister_memory; the core's unregister runs off the owner's loop, as
     # unregister_memory does for other memory, so the loop keeps answering refreshes meanwhile.
     gone = threading.Event()
-    threading.Thread(target=lambda: (owner._engine._core.unregister(target), gone.set())).start()
+    threading.Thread(target=lambda: (owner._state.require_core().unregister(target), gone.set())).start()
     assert gone.wait(30)
     time.sleep(0.2)
     stop.set()

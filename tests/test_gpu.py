@@ -95,7 +95,7 @@ def test_small_writes_from_host_and_gpu_sources_mixed_in_one_batch(gpu_pair, rem
     assert eng.batch_transfer_sync_read(node.session, [host.addr + i * block for i in range(count)],
                                         [remote + i * block for i in range(count)], [block] * count) == 0
     assert host.digest(0, block * count) == digest
-    if eng._engine.config.transport == "tcp":
+    if eng._state.config.transport == "tcp":
         assert node.call("stats")["vectors_served"] > before
         # GPU sources alone form vectors too
         before = node.call("stats")["vectors_served"]
@@ -156,7 +156,7 @@ def test_same_host_gpu_copies_bypass_the_network(gpu_pair, request):
     assert eng.transfer_sync_write(node.session, gpu.addr, _region_addr(node, 1), 8 << 20) == 0
     assert node.call("digest", region=1, offset=0, length=8 << 20)["digest"] == digest
     served = node.call("stats")["bytes_served_in"] - before
-    if eng._engine.config.transport == "auto":
+    if eng._state.config.transport == "auto":
         assert served == 0
     else:
         assert served == 8 << 20
@@ -300,7 +300,7 @@ def test_region_leaving_the_table_under_running_copies_keeps_the_context_sane(vm
         assert eng.register_memory(src.addr, size) == 0
         src.fill_random()
         assert eng.transfer_sync_write(node.session, src.addr, doomed, size) == 0
-        sessions, stop = eng._engine._sessions, threading.Event()
+        sessions, stop = eng._state.require_sessions(), threading.Event()
 
         def writer():
             while not stop.is_set():

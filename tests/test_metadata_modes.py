@@ -215,7 +215,7 @@ async def test_registration_fails_whole_when_the_metadata_server_cannot_take_it(
 
 
 def _registered(eng: AsyncTransferEngine, addr: int) -> bool:
-    return any(base <= addr < base + length for base, length, _ in eng._core.region_table())
+    return any(base <= addr < base + length for base, length, _ in eng._state.require_core().region_table())
 
 
 async def test_concurrent_registrations_publish_the_latest_table(http_metadata, local_buf):
@@ -223,7 +223,7 @@ async def test_concurrent_registrations_publish_the_latest_table(http_metadata, 
     first one's update is the slower to land."""
     async with AsyncTransferEngine() as eng:
         await eng.initialize("busy-meta", http_metadata, "tcp", "")
-        store = eng._store._store
+        store = eng._state.store._store
         put, delayed = store.put, []
 
         async def slow_first_put(key, value):

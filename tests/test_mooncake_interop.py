@@ -97,7 +97,7 @@ async def test_mooncake_framing_can_be_turned_off(mooncake_node, local_buf):
     async with AsyncTransferEngine() as eng:
         await eng.initialize("127.0.0.1")
         await eng.register_memory(local_buf.addr, 1 << 20)
-        eng._core.accept_mooncake_wire(False)
+        eng._state.require_core().accept_mooncake_wire(False)
         local_buf.fill(0x11, 0, 4096)
         # (off the loop: the Mooncake node handshakes with this very loop)
         reply = await asyncio.to_thread(mooncake_node.call, "transfer", op="write", target=eng.session_name,
@@ -108,7 +108,7 @@ async def test_mooncake_framing_can_be_turned_off(mooncake_node, local_buf):
 
 async def test_native_protocol_between_flagcx_mc_nodes(engine, node, local_buf):
     await engine.transfer_sync_write(node.session, local_buf.addr, node.addr(1), 64)
-    session = engine._sessions.peek(node.session)
+    session = engine._state.require_sessions().peek(node.session)
     assert session is not None and session.desc.native is not None  # negotiated native, not Mooncake's framing
 
 

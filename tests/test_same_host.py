@@ -38,7 +38,7 @@ async def test_same_host_write_and_read(sh_engine, sh_node, local_buf, size):
     digest = local_buf.fill_random(0, size)
     await sh_engine.transfer_sync_write(sh_node.session, local_buf.addr, sh_node.addr(0, 3), size)
     assert sh_node.call("digest", region=0, offset=3, length=size)["digest"] == digest
-    assert sh_engine._sessions.peek(sh_node.session).peer.same_host
+    assert sh_engine._state.require_sessions().peek(sh_node.session).peer.same_host
     remote = sh_node.call("fill", region=0, offset=0, length=size)["digest"]
     await sh_engine.transfer_sync_read(sh_node.session, local_buf.addr, sh_node.addr(0), size)
     assert local_buf.digest(0, size) == remote
@@ -64,7 +64,7 @@ async def test_runs_of_adjacent_blocks_land_exactly_on_the_same_host_path(sh_eng
     """process_vm_writev/readv get back-to-back blocks as one range per side: runs that differ per
     side, gaps, backwards runs and a block named twice still land exactly."""
     await round_trip_runs_and_gaps(sh_engine, sh_node, local_buf, seed=5)
-    assert sh_engine._sessions.peek(sh_node.session).peer.same_host
+    assert sh_engine._state.require_sessions().peek(sh_node.session).peer.same_host
 
 
 async def test_a_frozen_target_still_receives_same_host_writes(sh_engine, local_buf):
@@ -116,7 +116,7 @@ async def test_transport_tcp_keeps_the_network_path(node, local_buf):
         digest = local_buf.fill_random(0, 1 << 20)
         await eng.transfer_sync_write(node.session, local_buf.addr, node.addr(1), 1 << 20)
         assert node.call("digest", region=1)["digest"] == digest
-        assert not eng._sessions.peek(node.session).peer.same_host
+        assert not eng._state.require_sessions().peek(node.session).peer.same_host
 
 
 def test_many_threads_same_host(sh_node):
@@ -140,7 +140,7 @@ def test_many_threads_same_host(sh_node):
         with ThreadPoolExecutor(10) as pool:
             assert list(pool.map(worker, range(10))) == [[0] * 5] * 10
         assert sh_node.call("digest", region=0, offset=0, length=10 * block)["digest"] == buf.digest(0, 10 * block)
-        assert eng._engine._sessions.peek(sh_node.session).peer.same_host
+        assert eng._state.require_sessions().peek(sh_node.session).peer.same_host
     finally:
         eng.close()
         buf.close()
@@ -169,7 +169,7 @@ def test_managed_buffers_are_shared_mappings_on_one_host():
             buf.fill(0, 0, 1 << 20)
             assert user.transfer_sync_read(owner.session_name, buf.addr, target, 1 << 20) == 0
             assert buf.digest(0, 1 << 20) == digest
-        peer = user._engine._sessions.peek(owner.session_name).peer
+        peer = user._state.require_sessions().peek(owner.session_name).peer
         assert peer.same_host and peer.shared_regions >= 1
         # its pool chunk holds other buffers too: unregister_memory refuses it, the buffer stays
         assert owner.unregister_memory(small) < 0 and owner.batch_unregister_memory([small]) < 0
@@ -240,7 +240,7 @@ def test_large_calls_are_copied_in_parts_and_land_exactly(sh_node, op):
                 assert hashlib.sha256(buf.read(lo, size)).hexdigest() == got, (region, off, size)
                 assert buf.read(lo + size, 11) == bytes(11)  # the gaps between local ranges untouched
         assert sh_node.call("guards")["intact"]
-        assert eng._engine._sessions.peek(sh_node.session).peer.same_host
+        assert eng._state.require_sessions().peek(sh_node.session).peer.same_host
     finally:
         eng.close()
         buf.close()

@@ -135,7 +135,7 @@ async def test_concurrent_first_transfers_share_one_session(engine, node, local_
         engine.transfer_sync_write(node.session, local_buf.addr + i * 4096, node.addr(1, i * 4096), 4096)
         for i in range(32)
     ))
-    assert engine._sessions.peek(node.session) is not None
+    assert engine._state.require_sessions().peek(node.session) is not None
     # Earlier tests' engines may still be closing their connections: wait for them to go.
     deadline = asyncio.get_running_loop().time() + 5
     while node.call("stats")["server_connections"] != engine.config.streams_per_peer:

@@ -96,7 +96,7 @@ async def test_a_refused_entry_fails_only_its_task(engine, local_buf):
         remote = [target.addr(0, i * block) if i % 2 == 0 else dead_base + i * block for i in range(n)]
         local_buf.fill_random(0, n * block)
         # Through the core, which keeps each task's outcome (the facades report the batch's).
-        session = await engine._require_sessions().get(target.session)
+        session = await engine._state.require_sessions().get(target.session)
         batch = TransferRequest.build(OP_WRITE, local, remote, [block] * n).submit(session)
         rc, why = await asyncio.to_thread(batch.wait, 10_000)
         assert rc == errors.RemoteRefusedError.code, why

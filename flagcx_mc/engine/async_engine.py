@@ -2,71 +2,33 @@
 
 The control plane (handshake server, session cache) runs on the caller's event loop; payload
 bytes move in the C core's threads, and waiting for them happens in an executor thread with
-the GIL released, so the loop never blocks on a transfer.
+the GIL released, so the loop never blocks on a transfer.  What the engine holds, and its
+start and stop, live in ``EngineState`` (state.py), which the sync facade shares.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import ctypes
 import json
-import logging
 import os
-import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from .. import errors
 from .._core import CoreEngine
 from ..config import EngineConfig
-from ..control.auth import authed_request, guard_handlers
+from ..control.auth import authed_request
 from ..control.codec import MessageType
-from ..control.handshake import HandshakeServer, request
-from ..control.local_segment import LocalSegment
-from ..control.resolvers import P2PResolver, StoreResolver
-from ..metadata.connect import open_store, parse_metadata_server
-from ..names import TransferNotify, TransferOpcode
-from ..net.addresses import format_host_port, parse_host_port, rpc_port_range
-from .batches import BatchTable, PendingBatch
-from .managed import ManagedPool
-from .metrics import EngineMetrics
-from .requests import (
-    OP_READ,
-    OP_WRITE,
-    SingleTransfer,
-    TransferRequest,
-    needs_refresh,
-    opcode_name,
-)
-from .sessions import Session, SessionCache
+from ..control.handshake import request
+from ..metadata.connect import P2P_HANDSHAKE
+from ..names import TransferNotify
+from ..net.addresses import parse_host_port
+from .batches import PendingBatch
+from .requests import OP_READ, OP_WRITE, RemoteDesc, TransferRequest, mooncake_opcode
+from .sessions import Session
+from .state import EngineState
 
 __all__ = ["AsyncTransferEngine", "RemoteDesc", "P2P_HANDSHAKE"]
-
-log = logging.getLogger(__name__)
-
-P2P_HANDSHAKE = "P2PHANDSHAKE"
-_LOG_DRAIN_INTERVAL = 1.0
-
-
-@dataclass(frozen=True)
-class RemoteDesc:
-    """Where a remote range lives (seed 000's ``make_desc``): its region's base and key."""
-
-    addr: int
-    size: int
-    region_base: int
-    key: int
-
-
-def _opcode(opcode: int) -> int:
-    try:
-        op = TransferOpcode(int(opcode))
-    except (TypeError, ValueError):
-        raise errors.InvalidArgumentError(f"opcode must be TransferOpcode.Read or .Write, got {opcode!r}") from None
-    return OP_WRITE if op is TransferOpcode.Write else OP_READ
 
 
 class AsyncTransferEngine:
@@ -77,24 +39,14 @@ class AsyncTransferEngine:
     """
 
     def __init__(self, **config: Any) -> None:
-        self._config = EngineConfig.from_env(**config)
-        self._core: Optional[CoreEngine] = None
-        self._server: Optional[HandshakeServer] = None
-        self._sessions: Optional[SessionCache] = None
-        self._segment: Optional[LocalSegment] = None
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._log_task: Optional[asyncio.Task] = None
-        self._managed: Optional[ManagedPool] = None
-        self._batches = BatchTable()
-        self.metrics = EngineMetrics()
-        self._notifies: Deque[TransferNotify] = collections.deque(maxlen=65536)
-        self._store: Optional[StoreResolver] = None  # set when a metadata server is used
-        self._publish_lock = asyncio.Lock()  # orders updates of our descriptor on it
-        self._host = ""
-        self._name = ""
-        self._rpc_port = 0
-        self._closed = False
+        self._state = EngineState(EngineConfig.from_env(**config))
+
+    @classmethod
+    def over(cls, state: EngineState) -> "AsyncTransferEngine":
+        """A facade over an existing state (the sync facade's coroutines run through one)."""
+        engine = cls.__new__(cls)
+        engine._state = state
+        return engine
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,85 +66,20 @@ class AsyncTransferEngine:
 
         Raises:
             EngineStateError: already initialized or closed.
-            NotSupportedError: a metadata server other than P2PHANDSHAKE.
             InvalidArgumentError, EndpointError, DnsError: bad host name, no free port.
+            MetadataError, PeerConnectionError, HandshakeTimeoutError: the metadata server
+                cannot be reached or refuses the engine's name.
         """
         await self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "")
 
     async def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
                              metadata_type: str) -> None:
         """``initialize`` with Mooncake's ``metadata_type`` (prefixed to a scheme-less server)."""
-        if self._core is not None or self._closed:
-            raise errors.EngineStateError("engine already initialized" if self._core else "engine closed")
-        kind, url = parse_metadata_server(metadata_server, metadata_type)
-        if protocol not in ("tcp", ""):
-            log.info("protocol %r requested: this build moves data over its native TCP transport", protocol)
-        host, _ = parse_host_port(local_hostname, default_port=12001)  # the port is ignored, as in Mooncake
-        if kind != "p2p":
-            host = await _advertised_host(host)
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._executor = ThreadPoolExecutor(self._config.wait_threads, thread_name_prefix="flagcx-mc-wait")
-        low, high = rpc_port_range()
-        try:
-            store = open_store(kind, url, timeout=self._config.handshake_timeout) if kind != "p2p" else None
-            self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
-            secret = self._config.secret
-            if secret is not None:
-                self._core.set_secret(secret)
-            self._segment = LocalSegment(self._core, self._notifies, self._shared_mappings)
-            self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret))
-            self._rpc_port = await self._server.start(host, None)
-            self._host = host
-            # P2P: the name is host:rpc_port.  With a metadata server it is local_hostname verbatim.
-            self._name = format_host_port(host, self._rpc_port) if store is None else local_hostname
-            self._segment.name = self._name
-            if store is None:
-                resolver = P2PResolver(self._segment.desc_json, self._config.handshake_timeout, secret)
-            else:
-                resolver = self._store = StoreResolver(store)
-                await self._store.publish(self._name, host, self._rpc_port, self._segment.desc_json())
-        except BaseException:
-            await self._teardown()
-            # Nothing of the failed attempt may outlive it: initialize can be called again.
-            self._server = self._segment = self._loop = None
-            self._host, self._name, self._rpc_port = "", "", 0
-            raise
-        self._managed = ManagedPool(self._core.register, self._core.unregister)
-        self._sessions = SessionCache(self._core, self._config, self._executor, resolver, self.metrics)
-        self._log_task = loop.create_task(self._drain_core_log())
-        log.info("engine %s up (data port %d%s)", self._name, self._core.data_port,
-                 "" if store is None else f", metadata server {url}")
+        await self._state.start(local_hostname, metadata_server, protocol, metadata_type)
 
     async def close(self) -> None:
         """Close sessions, stop the servers and free the core (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        await self._teardown()
-
-    async def _teardown(self) -> None:
-        if self._store is not None:
-            store, self._store = self._store, None
-            await store.withdraw(self._name)
-            await store.close()
-        if self._log_task is not None:
-            self._log_task.cancel()
-            self._log_task = None
-        if self._server is not None:
-            await self._server.close()
-        if self._sessions is not None:
-            await self._sessions.close()
-        if self._executor is not None:
-            executor, self._executor = self._executor, None
-            await asyncio.get_running_loop().run_in_executor(None, self._batches.cancel_all)
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
-        if self._managed is not None:
-            self._managed.close()
-            self._managed = None
-        if self._core is not None:
-            core, self._core = self._core, None
-            core.close()
+        await self._state.stop()
 
     async def __aenter__(self) -> "AsyncTransferEngine":
         return self
@@ -206,21 +93,21 @@ class AsyncTransferEngine:
     def session_name(self) -> str:
         """The name peers pass as ``target_hostname``: ``host:rpc_port`` in P2P mode, else the
         ``local_hostname`` given to ``initialize``."""
-        return self._name or format_host_port(self._host, self._rpc_port)
+        return self._state.session_name
 
     @property
     def config(self) -> EngineConfig:
-        return self._config
+        return self._state.config
 
     async def get_rpc_port(self) -> int:
         self._require_core()
-        return self._rpc_port
+        return self._state.rpc_port
 
     def stats(self) -> dict:
         """The C core's counters (bytes, batches, refusals, connections) as flat keys, plus
         ``session``, ``totals`` and ``peers`` (per-peer bytes, transfers, failures and a latency
         histogram of transfer calls; see metrics.py)."""
-        return {**self._require_core().stats(), "session": self.session_name, **self.metrics.snapshot()}
+        return self._state.stats()
 
     async def get_local_topology(self, device_name: Optional[str] = None) -> str:
         """Mooncake's priority matrix as JSON; with no RDMA devices every location maps to none."""
@@ -241,7 +128,7 @@ class AsyncTransferEngine:
         """
         core = self._require_core()
         await self._in_executor(core.register, buffer_addr, capacity)
-        await self._publish_added(lambda: core.unregister(buffer_addr))
+        await self._state.publish_added(lambda: core.unregister(buffer_addr))
 
     async def unregister_memory(self, buffer_addr: int) -> None:
         """Unregister; once this returns no remote operation touches the region.
@@ -254,7 +141,7 @@ class AsyncTransferEngine:
         core = self._require_core()
         self._refuse_managed(buffer_addr)
         await self._in_executor(core.unregister, buffer_addr)
-        await self._publish_removed()
+        await self._state.publish_removed()
 
     async def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                                     location: str = "*") -> None:
@@ -264,10 +151,10 @@ class AsyncTransferEngine:
         core = self._require_core()
         addrs = list(buffer_addresses)
         await self._in_executor(_register_all, core, addrs, list(capacities))
-        await self._publish_added(lambda: _unregister_each(core, addrs))
+        await self._state.publish_added(lambda: _unregister_each(core, addrs))
 
     def _refuse_managed(self, addr: int) -> None:
-        if self._managed is not None and addr in self._managed.shared_mappings():
+        if self._state.is_managed(addr):
             raise errors.InvalidArgumentError(
                 f"{addr:#x} is managed memory (allocate_managed_buffer): release it with free_managed_buffer")
 
@@ -281,21 +168,20 @@ class AsyncTransferEngine:
                 await self._in_executor(core.unregister, addr)
             except errors.FlagcxMcError as exc:
                 first = first or exc
-        await self._publish_removed()
+        await self._state.publish_removed()
         if first is not None:
             raise first
 
     async def allocate_managed_buffer(self, length: int) -> int:
         """An engine-owned, registered block of at least ``length`` bytes (shared memory)."""
-        self._require_core()
-        addr = await self._in_executor(self._managed.allocate, length)
-        await self._publish_added(lambda: self._managed.free(addr, length))
+        managed = self._state.require_managed()
+        addr = await self._in_executor(managed.allocate, length)
+        await self._state.publish_added(lambda: managed.free(addr, length))
         return addr
 
     async def free_managed_buffer(self, buffer_addr: int, length: int) -> None:
-        self._require_core()
-        self._managed.free(buffer_addr, length)
-        await self._publish_removed()
+        self._state.require_managed().free(buffer_addr, length)
+        await self._state.publish_removed()
 
     async def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> None:
         """Copy ``src[:length]`` into registered memory at ``dest_address``."""
@@ -354,31 +240,19 @@ class AsyncTransferEngine:
     async def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
                                   notify: Optional[TransferNotify] = None, transport_hint: str = "") -> None:
-        req = TransferRequest.build(_opcode(opcode), buffers, peer_buffer_addresses, lengths)
+        req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         session = await self._transfer(target_hostname, req)
         if notify is not None:
             await self.send_notify(target_hostname, notify, session)
 
     async def _transfer(self, target: str, req: TransferRequest) -> Optional[Session]:
-        sessions = self._require_sessions()
+        sessions = self._state.require_sessions()
         if req.count == 0:
             return None
-        with self.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
+        with self._state.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
             session = await sessions.get(target)
-            rc, why = await self._in_executor(req.run, session, self._config)
-            return await self._settle(target, req, session, rc, why)  # the core counted it (metrics.py)
-
-    async def _settle(self, target: str, req: "TransferRequest | SingleTransfer", session: Session, rc: int,
-                      why: str) -> Session:
-        """A call's first try came back ``rc``: try once more on a refreshed region table when
-        that can help (memory the peer registered since, or a stale address), then raise what is
-        left.  Returns the session the call succeeded on."""
-        if needs_refresh(rc):
-            session = await self._require_sessions().refresh(target, session)
-            rc, why = await self._in_executor(req.run, session, self._config)
-        if rc != 0:
-            raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
-        return session
+            rc, why = await self._in_executor(req.run, session, self._state.config)
+            return await self._state.settle(target, req, session, rc, why)  # the core counted it (metrics.py)
 
     # ------------------------------------------------------------------ asynchronous batches
 
@@ -396,7 +270,7 @@ class AsyncTransferEngine:
     async def batch_transfer_async(self, target_hostname: str, buffers: Sequence[int],
                                    peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
                                    transport_hint: str = "") -> int:
-        req = TransferRequest.build(_opcode(opcode), buffers, peer_buffer_addresses, lengths)
+        req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         return await self._submit(target_hostname, req)
 
     async def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
@@ -409,27 +283,27 @@ class AsyncTransferEngine:
         return await self._submit(target_hostname, req)
 
     async def _submit(self, target: str, req: TransferRequest) -> int:
-        sessions = self._require_sessions()
+        sessions = self._state.require_sessions()
         session = await sessions.get(target)
         try:  # off the loop: on one host the copy happens inside submit
             batch = await self._in_executor(req.submit, session)
         except errors.AddressNotRegisteredError:
             session = await sessions.refresh(target, session)
             batch = await self._in_executor(req.submit, session)
-        deadline = time.monotonic() + self._config.timeout_for(req.total_bytes)
-        return self._batches.add(PendingBatch(batch, target, deadline))
+        deadline = time.monotonic() + self._state.config.timeout_for(req.total_bytes)
+        return self._state.batches.add(PendingBatch(batch, target, deadline))
 
     async def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> None:
         """Wait for every batch; each is forgotten once done.  Raises the first failure."""
         first: Optional[errors.FlagcxMcError] = None
         for batch_id in list(batch_ids):
             try:
-                pending = self._batches.get(batch_id)
+                pending = self._state.batches.get(batch_id)
             except errors.FlagcxMcError as exc:
                 first = first or exc
                 continue
             rc, why = await self._in_executor(pending.batch.wait, pending.remaining_ms())
-            self._batches.discard(batch_id)
+            self._state.batches.discard(batch_id)
             if rc != 0 and first is None:
                 first = errors.error_for_code(rc, f"batch {batch_id} to {pending.target} failed: {why}")
         if first is not None:
@@ -437,15 +311,15 @@ class AsyncTransferEngine:
 
     async def transfer_check_status(self, batch_id: int) -> int:
         """1 done (and forgotten), 0 still running; raises if it failed or passed its deadline."""
-        pending = self._batches.get(batch_id)
+        pending = self._state.batches.get(batch_id)
         state = pending.batch.poll()
         if state == 0 and time.monotonic() > pending.deadline:
             await self._in_executor(pending.batch.cancel)
-            self._batches.discard(batch_id)
+            self._state.batches.discard(batch_id)
             raise errors.TransferTimeoutError(f"batch {batch_id} to {pending.target} timed out")
         if state == 0:
             return 0
-        self._batches.discard(batch_id)
+        self._state.batches.discard(batch_id)
         if state < 0:
             raise errors.error_for_code(state, f"batch {batch_id} to {pending.target} failed")
         return 1
@@ -454,7 +328,7 @@ class AsyncTransferEngine:
 
     async def get_conn(self, session_name: str) -> Session:
         """The cached connection to a peer (handshakes on first use)."""
-        return await self._require_sessions().get(session_name)
+        return await self._state.require_sessions().get(session_name)
 
     def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:
         """The remote region and key that wholly hold [remote_addr, remote_addr + size)."""
@@ -474,9 +348,9 @@ class AsyncTransferEngine:
         if len(descs) != len(sizes) or any(s > d.size for d, s in zip(descs, sizes)):
             raise errors.InvalidArgumentError("each size must be at most its descriptor's size")
         req = TransferRequest.build(op, local_addrs, [d.addr for d in descs], sizes)
-        deadline = time.monotonic() + self._config.timeout_for(req.total_bytes)
+        deadline = time.monotonic() + self._state.config.timeout_for(req.total_bytes)
         batch = await self._in_executor(req.submit, conn)
-        return self._batches.add(PendingBatch(batch, conn.name, deadline))
+        return self._state.batches.add(PendingBatch(batch, conn.name, deadline))
 
     async def xfer_status(self, xfer_id: int) -> int:
         """1 done, 0 in progress; raises on failure (FlagCX's XferStatus)."""
@@ -494,7 +368,7 @@ class AsyncTransferEngine:
 
     async def get_first_buffer_address(self, segment_name: str) -> int:
         """Address of the first buffer the named segment registered (0 if none)."""
-        sessions = self._require_sessions()
+        sessions = self._state.require_sessions()
         session = await sessions.get(segment_name)
         if not session.desc.buffers:
             session = await sessions.refresh(segment_name, session)
@@ -502,11 +376,11 @@ class AsyncTransferEngine:
 
     async def send_probe(self, peer_server_name: str) -> None:
         """Check that a peer's handshake server answers (Mooncake's Probe message)."""
-        if self._store is not None:
-            host, port, _ = await self._store.resolve(peer_server_name)
+        if self._state.store is not None:
+            host, port, _ = await self._state.store.resolve(peer_server_name)
         else:
             host, port = parse_host_port(peer_server_name)
-        reply = await request(host, port, MessageType.PROBE, {}, timeout=self._config.handshake_timeout)
+        reply = await request(host, port, MessageType.PROBE, {}, timeout=self._state.config.handshake_timeout)
         if reply.get("status") != "success":
             raise errors.HandshakeRejectedError(f"{peer_server_name} answered the probe with {reply!r}")
 
@@ -514,14 +388,14 @@ class AsyncTransferEngine:
                           session: Optional[Session] = None) -> None:
         """Deliver ``notify`` to the target's ``get_notifies()``."""
         if session is None:
-            session = await self._require_sessions().get(target_hostname)
-        await authed_request(self._config.secret, session.host, session.rpc_port, MessageType.NOTIFY,
-                             {"name": notify.name, "notify_msg": notify.msg}, timeout=self._config.handshake_timeout)
+            session = await self._state.require_sessions().get(target_hostname)
+        await authed_request(self._state.config.secret, session.host, session.rpc_port, MessageType.NOTIFY,
+                             {"name": notify.name, "notify_msg": notify.msg}, timeout=self._state.config.handshake_timeout)
 
     def get_notifies(self) -> List[TransferNotify]:
         """Drain the notifications peers sent to this engine, oldest first."""
-        items = list(self._notifies)
-        self._notifies.clear()
+        items = list(self._state.notifies)
+        self._state.notifies.clear()
         return items
 
     # ------------------------------------------------------------------ what this build cannot do
@@ -537,77 +411,10 @@ class AsyncTransferEngine:
     # ------------------------------------------------------------------ helpers
 
     def _require_core(self) -> CoreEngine:
-        if self._core is None:
-            raise errors.EngineStateError("engine closed" if self._closed else "engine not initialized")
-        return self._core
-
-    def _require_sessions(self) -> SessionCache:
-        self._require_core()
-        assert self._sessions is not None
-        return self._sessions
-
-    def _shared_mappings(self) -> dict:
-        return self._managed.shared_mappings() if self._managed is not None else {}
-
-    async def _republish(self) -> None:
-        """With a metadata server, peers read our regions from it: keep it current.  One update
-        at a time, each taking the table as it is when its turn comes: two concurrent updates
-        could otherwise land out of order and leave the older table published."""
-        if self._store is None:
-            return
-        async with self._publish_lock:
-            if self._store is not None:
-                await self._store.update(self._name, self._segment.desc_json())
-
-    async def _publish_added(self, undo: Callable[[], Any]) -> None:
-        """Publish memory just registered; if the metadata server cannot take it, ``undo`` the
-        registration and raise, so the call fails whole and can simply be repeated (peers could
-        not have found the memory anyway)."""
-        try:
-            await self._republish()
-        except BaseException:
-            try:
-                await self._in_executor(undo)
-            except errors.FlagcxMcError as exc:
-                log.warning("%s: could not undo a registration the metadata server refused: %s", self._name, exc)
-            raise
-
-    async def _publish_removed(self) -> None:
-        """Publish the table after memory left it.  The memory is gone here whatever the metadata
-        server says (our registry refuses anything aimed at it), so a server that cannot take the
-        change is logged, not raised; the next update brings it up to date."""
-        try:
-            await self._republish()
-        except errors.FlagcxMcError as exc:
-            log.warning("%s: the metadata server still lists unregistered memory until the next update: %s",
-                        self._name, exc)
+        return self._state.require_core()
 
     async def _in_executor(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _drain_core_log(self) -> None:
-        while True:
-            await asyncio.sleep(_LOG_DRAIN_INTERVAL)
-            if self._core is None:
-                return
-            for line in self._core.drain_log():
-                log.warning("%s: %s", self.session_name, line)
-
-
-async def _advertised_host(name_host: str) -> str:
-    """With a metadata server the segment name need not be an address (Mooncake's rule):
-    ``MC_TCP_BIND_ADDRESS`` if set, else the name's host if it resolves, else this host's name."""
-    explicit = os.environ.get("MC_TCP_BIND_ADDRESS", "").strip()
-    if explicit:
-        return explicit
-    loop = asyncio.get_running_loop()
-    for candidate in (name_host, socket.gethostname()):
-        try:
-            await loop.getaddrinfo(candidate, None)
-            return candidate
-        except OSError:
-            continue
-    raise errors.DnsError("cannot find an address to advertise: set MC_TCP_BIND_ADDRESS")
+        return await self._state.run_blocking(fn, *args)
 
 
 def _listdir(path: str) -> List[str]:

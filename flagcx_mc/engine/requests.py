@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence, Tuple
 
 from .. import errors
 from .._argpack import pack3
 from .._core import OP_READ, OP_WRITE, CoreBatch, ffi
 from ..config import EngineConfig
+from ..names import TransferOpcode
 
-__all__ = ["TransferRequest", "needs_refresh", "OP_READ", "OP_WRITE"]
+__all__ = ["TransferRequest", "SingleTransfer", "RemoteDesc", "needs_refresh", "mooncake_opcode", "opcode_name",
+           "OP_READ", "OP_WRITE"]
 
 _U64_MAX = (1 << 64) - 1
 
@@ -88,3 +91,22 @@ class SingleTransfer:
 
 def opcode_name(opcode: int) -> str:
     return "write" if opcode == OP_WRITE else "read"
+
+
+def mooncake_opcode(opcode: int) -> int:
+    """The core's opcode for Mooncake's ``TransferOpcode`` (or its int value)."""
+    try:
+        op = TransferOpcode(int(opcode))
+    except (TypeError, ValueError):
+        raise errors.InvalidArgumentError(f"opcode must be TransferOpcode.Read or .Write, got {opcode!r}") from None
+    return OP_WRITE if op is TransferOpcode.Write else OP_READ
+
+
+@dataclass(frozen=True)
+class RemoteDesc:
+    """Where a remote range lives (FlagCX's ``make_desc``): its region's base and key."""
+
+    addr: int
+    size: int
+    region_base: int
+    key: int

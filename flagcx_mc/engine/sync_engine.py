@@ -17,10 +17,19 @@ from concurrent.futures import Future
 from typing import Any, Callable, Coroutine, List, Optional, Sequence, TypeVar
 
 from .. import errors
+from ..config import EngineConfig
 from ..names import TransferNotify, TransferOpcode
-from .async_engine import AsyncTransferEngine, RemoteDesc
-from .requests import OP_READ, OP_WRITE, SingleTransfer, TransferRequest
-from .sessions import Session
+from .async_engine import AsyncTransferEngine
+from .requests import (
+    OP_READ,
+    OP_WRITE,
+    RemoteDesc,
+    SingleTransfer,
+    TransferRequest,
+    mooncake_opcode,
+)
+from .sessions import Session, SessionCache
+from .state import EngineState
 
 __all__ = ["TransferEngine"]
 
@@ -80,13 +89,14 @@ class TransferEngine:
     TransferOpcode = TransferOpcode
 
     def __init__(self, **config: Any) -> None:
-        self._engine = AsyncTransferEngine(**config)
+        self._state = EngineState(EngineConfig.from_env(**config))
+        self._engine = AsyncTransferEngine.over(self._state)  # the coroutines, run on the private loop
+        self._config = self._state.config
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._start_lock = threading.Lock()
         self._initialized = False
-        self._sessions: Any = None  # the engine's SessionCache, once initialized
-        self._config: Any = None
+        self._sessions: Optional[SessionCache] = None  # the state's, once initialized: the fast path's
 
     # ------------------------------------------------------------------ private loop
 
@@ -137,8 +147,7 @@ class TransferEngine:
             except Exception:
                 log.exception("initialize failed unexpectedly")
                 return -1
-            self._sessions = self._engine._require_sessions()
-            self._config = self._engine.config
+            self._sessions = self._state.require_sessions()
             self._initialized = True
             return 0
 
@@ -165,7 +174,7 @@ class TransferEngine:
 
     def get_rpc_port(self, /) -> int:
         """The handshake port peers dial; the session name is f"{host}:{port}"."""
-        return self._engine._rpc_port if self._initialized else -1
+        return self._state.rpc_port if self._initialized else -1
 
     @property
     def session_name(self) -> str:
@@ -268,9 +277,7 @@ class TransferEngine:
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                             peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
                             notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
-        from .async_engine import _opcode
-
-        req = TransferRequest.build(_opcode(opcode), buffers, peer_buffer_addresses, lengths)
+        req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         self._transfer(target_hostname, req)
         if notify is not None:
             self._run(self._engine.send_notify(target_hostname, notify))
@@ -296,11 +303,11 @@ class TransferEngine:
                          rc: int, why: str) -> int:
         """Finish a call the fast path could not: ``session`` None means no usable session yet,
         else ``rc``/``why`` are its first try's result."""
-        with self._engine.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
+        with self._state.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
             if session is None:
-                session = self._run(self._engine._require_sessions().get(target))
+                session = self._run(self._state.require_sessions().get(target))
                 rc, why = req.run(session, self._config)
-            self._run(self._engine._settle(target, req, session, rc, why), timeout=None)  # the core's deadline bounds it
+            self._run(self._state.settle(target, req, session, rc, why), timeout=None)  # the core's deadline bounds it
             return 0
 
     # ------------------------------------------------------------------ asynchronous batches
@@ -350,7 +357,7 @@ class TransferEngine:
 
     @_on_failure(None)
     def get_conn(self, session_name: str) -> Session:
-        sessions = self._engine._require_sessions()
+        sessions = self._state.require_sessions()
         return sessions.peek(session_name) or self._run(sessions.get(session_name))
 
     def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:

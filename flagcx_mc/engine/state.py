@@ -1,0 +1,260 @@
+"""``EngineState``: what an initialized engine holds, how it starts and stops, and the few
+operations both facades share.
+
+``AsyncTransferEngine`` and ``TransferEngine`` are two faces of one ``EngineState``: the async
+facade awaits its coroutines on the caller's loop; the sync facade runs them on a private loop
+and, for transfers to an open session, calls ``sessions`` and ``settle`` straight from the
+calling thread.  Nothing outside this module touches the runtime objects it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Deque, Optional, TypeVar
+
+from .. import errors
+from .._core import CoreEngine
+from ..config import EngineConfig
+from ..control.auth import guard_handlers
+from ..control.handshake import HandshakeServer
+from ..control.local_segment import LocalSegment
+from ..control.resolvers import P2PResolver, StoreResolver
+from ..metadata.connect import open_store, parse_metadata_server
+from ..names import TransferNotify
+from ..net.addresses import format_host_port, parse_host_port, rpc_port_range
+from .batches import BatchTable
+from .managed import ManagedPool
+from .metrics import EngineMetrics
+from .requests import SingleTransfer, TransferRequest, needs_refresh, opcode_name
+from .sessions import Session, SessionCache
+
+__all__ = ["EngineState"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_LOG_DRAIN_INTERVAL = 1.0
+_MAX_QUEUED_NOTIFIES = 65536
+
+
+class EngineState:
+    """The runtime of one engine.  Attributes the facades read: ``config``, ``metrics``,
+    ``batches``, ``notifies``, ``store`` (a ``StoreResolver`` with a metadata server, else
+    ``None``), ``name``, ``rpc_port``; ``core``, ``sessions`` and ``managed`` through the
+    ``require_*`` methods, which raise ``EngineStateError`` before ``start`` and after ``stop``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.metrics = EngineMetrics()
+        self.batches = BatchTable()
+        self.notifies: Deque[TransferNotify] = collections.deque(maxlen=_MAX_QUEUED_NOTIFIES)
+        self.store: Optional[StoreResolver] = None
+        self.host = ""
+        self.name = ""
+        self.rpc_port = 0
+        self.closed = False
+        self._core: Optional[CoreEngine] = None
+        self._server: Optional[HandshakeServer] = None
+        self._sessions: Optional[SessionCache] = None
+        self._segment: Optional[LocalSegment] = None
+        self._managed: Optional[ManagedPool] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._log_task: Optional[asyncio.Task] = None
+        self._publish_lock = asyncio.Lock()  # orders updates of our descriptor on a metadata server
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, local_hostname: str, metadata_server: str, protocol: str, metadata_type: str) -> None:
+        """Start the core, the handshake server and (with a metadata server) publish ourselves.
+
+        A failed start leaves nothing behind: it may be called again."""
+        if self._core is not None or self.closed:
+            raise errors.EngineStateError("engine already initialized" if self._core else "engine closed")
+        kind, url = parse_metadata_server(metadata_server, metadata_type)
+        if protocol not in ("tcp", ""):
+            log.info("protocol %r requested: this build moves data over its native TCP transport", protocol)
+        host, _ = parse_host_port(local_hostname, default_port=12001)  # the port is ignored, as in Mooncake
+        if kind != "p2p":
+            host = await _advertised_host(host)
+        loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
+        low, high = rpc_port_range()
+        try:
+            store = open_store(kind, url, timeout=self.config.handshake_timeout) if kind != "p2p" else None
+            self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
+            secret = self.config.secret
+            if secret is not None:
+                self._core.set_secret(secret)
+            self._segment = LocalSegment(self._core, self.notifies, self._shared_mappings)
+            self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret))
+            self.rpc_port = await self._server.start(host, None)
+            self.host = host
+            # P2P: the name is host:rpc_port.  With a metadata server it is local_hostname verbatim.
+            self.name = format_host_port(host, self.rpc_port) if store is None else local_hostname
+            self._segment.name = self.name
+            if store is None:
+                resolver: Any = P2PResolver(self._segment.desc_json, self.config.handshake_timeout, secret)
+            else:
+                resolver = self.store = StoreResolver(store)
+                await self.store.publish(self.name, host, self.rpc_port, self._segment.desc_json())
+        except BaseException:
+            await self._teardown()
+            self._server = self._segment = None
+            self.host, self.name, self.rpc_port = "", "", 0
+            raise
+        self._managed = ManagedPool(self._core.register, self._core.unregister)
+        self._sessions = SessionCache(self._core, self.config, self._executor, resolver, self.metrics)
+        self._log_task = loop.create_task(self._drain_core_log())
+        log.info("engine %s up (data port %d%s)", self.name, self._core.data_port,
+                 "" if store is None else f", metadata server {url}")
+
+    async def stop(self) -> None:
+        """Withdraw from the metadata server, close sessions and servers, free the core
+        (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self.store is not None:
+            store, self.store = self.store, None
+            await store.withdraw(self.name)
+            await store.close()
+        if self._log_task is not None:
+            self._log_task.cancel()
+            self._log_task = None
+        if self._server is not None:
+            await self._server.close()
+        if self._sessions is not None:
+            await self._sessions.close()
+        if self._executor is not None:
+            executor, self._executor = self._executor, None
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.batches.cancel_all)
+            await loop.run_in_executor(None, executor.shutdown, True)
+        if self._managed is not None:
+            self._managed.close()
+            self._managed = None
+        if self._core is not None:
+            core, self._core = self._core, None
+            core.close()
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def session_name(self) -> str:
+        return self.name or format_host_port(self.host, self.rpc_port)
+
+    @property
+    def initialized(self) -> bool:
+        return self._core is not None
+
+    def require_core(self) -> CoreEngine:
+        if self._core is None:
+            raise errors.EngineStateError("engine closed" if self.closed else "engine not initialized")
+        return self._core
+
+    def require_sessions(self) -> SessionCache:
+        self.require_core()
+        assert self._sessions is not None
+        return self._sessions
+
+    def require_managed(self) -> ManagedPool:
+        self.require_core()
+        assert self._managed is not None
+        return self._managed
+
+    def is_managed(self, addr: int) -> bool:
+        return self._managed is not None and addr in self._managed.shared_mappings()
+
+    def stats(self) -> dict:
+        return {**self.require_core().stats(), "session": self.session_name, **self.metrics.snapshot()}
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ------------------------------------------------------------------ transfers
+
+    async def settle(self, target: str, req: "TransferRequest | SingleTransfer", session: Session, rc: int,
+                     why: str) -> Session:
+        """A call's first try came back ``rc``: try once more on a refreshed region table when
+        that can help (memory the peer registered since, or a stale address), then raise what is
+        left.  Returns the session the call succeeded on."""
+        if needs_refresh(rc):
+            session = await self.require_sessions().refresh(target, session)
+            rc, why = await self.run_blocking(req.run, session, self.config)
+        if rc != 0:
+            raise errors.error_for_code(rc, f"{opcode_name(req.opcode)} to {target} failed: {why}")
+        return session
+
+    # ------------------------------------------------------------------ publishing our regions
+
+    async def publish_added(self, undo: Callable[[], Any]) -> None:
+        """Publish memory just registered; if the metadata server cannot take it, ``undo`` the
+        registration and raise, so the call fails whole and can simply be repeated (peers could
+        not have found the memory anyway)."""
+        try:
+            await self._republish()
+        except BaseException:
+            try:
+                await self.run_blocking(undo)
+            except errors.FlagcxMcError as exc:
+                log.warning("%s: could not undo a registration the metadata server refused: %s", self.name, exc)
+            raise
+
+    async def publish_removed(self) -> None:
+        """Publish the table after memory left it.  The memory is gone here whatever the metadata
+        server says (our registry refuses anything aimed at it), so a server that cannot take the
+        change is logged, not raised; the next update brings it up to date."""
+        try:
+            await self._republish()
+        except errors.FlagcxMcError as exc:
+            log.warning("%s: the metadata server still lists unregistered memory until the next update: %s",
+                        self.name, exc)
+
+    async def _republish(self) -> None:
+        """With a metadata server, peers read our regions from it: keep it current.  One update
+        at a time, each taking the table as it is when its turn comes: two concurrent updates
+        could otherwise land out of order and leave the older table published."""
+        if self.store is None:
+            return
+        async with self._publish_lock:
+            if self.store is not None and self._segment is not None:
+                await self.store.update(self.name, self._segment.desc_json())
+
+    # ------------------------------------------------------------------ helpers
+
+    def _shared_mappings(self) -> dict:
+        return self._managed.shared_mappings() if self._managed is not None else {}
+
+    async def _drain_core_log(self) -> None:
+        while True:
+            await asyncio.sleep(_LOG_DRAIN_INTERVAL)
+            if self._core is None:
+                return
+            for line in self._core.drain_log():
+                log.warning("%s: %s", self.session_name, line)
+
+
+async def _advertised_host(name_host: str) -> str:
+    """With a metadata server the segment name need not be an address (Mooncake's rule):
+    ``MC_TCP_BIND_ADDRESS`` if set, else the name's host if it resolves, else this host's name."""
+    explicit = os.environ.get("MC_TCP_BIND_ADDRESS", "").strip()
+    if explicit:
+        return explicit
+    loop = asyncio.get_running_loop()
+    for candidate in (name_host, socket.gethostname()):
+        try:
+            await loop.getaddrinfo(candidate, None)
+            return candidate
+        except OSError:
+            continue
+    raise errors.DnsError("cannot find an address to advertise: set MC_TCP_BIND_ADDRESS")
