@@ -1,8 +1,12 @@
-"""Engine settings: defaults, Mooncake's environment variables, and our own overrides.
+"""Engine settings: the one place that reads defaults, Mooncake's environment variables and
+flagcx_mc's own, and keyword overrides (which win over both).
 
-Mooncake's ``MC_TRANSFER_TIMEOUT`` is honoured as Mooncake reads it (seconds, at least 5,
-default 30, plus one nanosecond per byte moved).  ``FLAGCX_MC_*`` variables tune what Mooncake
-has no knob for; keyword arguments to the engines win over both.
+Every engine takes an ``EngineConfig`` at creation and hands its parts to what needs them
+(the C core gets its options struct, the handshake server its port range and frame cap), so two
+engines in one process can differ and nothing below reads the environment.  Mooncake's
+variables are honoured as Mooncake reads them: ``MC_TRANSFER_TIMEOUT`` (seconds, at least 5,
+default 30, plus one nanosecond per byte moved), ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``,
+``MC_HANDSHAKE_MAX_LENGTH``, ``MC_TCP_BIND_ADDRESS``.
 """
 
 from __future__ import annotations
@@ -10,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
-__all__ = ["EngineConfig", "default_streams", "mooncake_transfer_timeout"]
+from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
+from .control.handshake import DEFAULT_RPC_PORT_RANGE
+from .errors import InvalidArgumentError
+
+__all__ = ["EngineConfig", "default_streams", "handshake_max_length", "mooncake_transfer_timeout", "rpc_port_range"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,78 @@ def mooncake_transfer_timeout() -> float:
     """Seconds, as Mooncake derives it from MC_TRANSFER_TIMEOUT: max(5, value), default 30."""
     value = _env_number("MC_TRANSFER_TIMEOUT", int)
     return float(max(5, value)) if value is not None else 30.0
+
+
+# Linux's default ephemeral range; Mooncake refuses RPC ranges that touch it so that a random
+# handshake port cannot collide with outgoing connections.
+_EPHEMERAL_LOW = 32768
+_EPHEMERAL_HIGH = 60999
+
+
+def _port_from_env(primary: str, legacy: str, default: int) -> int:
+    for name in (primary, legacy):
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer") from None
+    return default
+
+
+def rpc_port_range() -> Tuple[int, int]:
+    """The inclusive range random handshake ports are drawn from, as Mooncake reads it.
+
+    ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (each falling back to the legacy
+    ``MC_MIN_PRC_PORT``/``MC_MAX_PRC_PORT`` spelling), default 15000..17000.  A value that is
+    not an int, is outside 1024..65535, inverts the range or overlaps the ephemeral range
+    32768..60999 makes the whole range fall back to the default.
+    """
+    low, high = DEFAULT_RPC_PORT_RANGE
+    try:
+        lo = _port_from_env("MC_MIN_RPC_PORT", "MC_MIN_PRC_PORT", low)
+        hi = _port_from_env("MC_MAX_RPC_PORT", "MC_MAX_PRC_PORT", high)
+        _check_rpc_port_range(lo, hi)
+    except ValueError as exc:
+        log.warning("ignoring RPC port range from environment (%s); using %d..%d", exc, low, high)
+        return low, high
+    return lo, hi
+
+
+def _check_rpc_port_range(lo: int, hi: int) -> None:
+    if not (1024 <= lo <= 65535 and 1024 <= hi <= 65535):
+        raise ValueError(f"range {lo}..{hi} is outside 1024..65535")
+    if lo > hi:
+        raise ValueError(f"minimum {lo} is above maximum {hi}")
+    if lo <= _EPHEMERAL_HIGH and hi >= _EPHEMERAL_LOW:
+        raise ValueError(f"range {lo}..{hi} overlaps the ephemeral ports {_EPHEMERAL_LOW}..{_EPHEMERAL_HIGH}")
+
+
+def handshake_max_length() -> int:
+    """``MC_HANDSHAKE_MAX_LENGTH`` (bytes), clamped to 1 MiB..128 MiB like Mooncake; unset or
+    unparsable gives 1 MiB."""
+    raw = os.environ.get("MC_HANDSHAKE_MAX_LENGTH")
+    if raw is None:
+        return DEFAULT_MAX_LENGTH
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        log.warning("ignoring MC_HANDSHAKE_MAX_LENGTH=%r: not an integer", raw)
+        return DEFAULT_MAX_LENGTH
+    return min(max(value, MIN_MAX_LENGTH), MAX_MAX_LENGTH)
+
+
+def _env_flag(name: str) -> Optional[bool]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    log.warning("ignoring %s=%r: not a boolean (1/0, true/false, yes/no, on/off)", name, raw)
+    return None
 
 
 _CC_DIR = "/proc/sys/net/ipv4"
@@ -105,10 +185,19 @@ class EngineConfig:
     wait_threads: int = 64               # executor threads that wait for completions (async API)
     secret: Optional[bytes] = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)
     transport: str = "auto"              # auto: same-host copies where possible, else TCP; or tcp / same-host
+    rpc_port_range: Tuple[int, int] = DEFAULT_RPC_PORT_RANGE  # handshake ports drawn from (inclusive)
+    data_port_range: Optional[Tuple[int, int]] = None  # the data listener's; None: rpc_port_range, as Mooncake
+    handshake_max_length: int = DEFAULT_MAX_LENGTH  # largest handshake frame sent or accepted, bytes
+    advertise_host: Optional[str] = None  # host peers reach us at with a metadata server (MC_TCP_BIND_ADDRESS)
+    accept_mooncake_wire: bool = True    # serve initiators speaking Mooncake's TCP framing (no authentication)
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
-        values = dict(transfer_timeout=mooncake_transfer_timeout())
+        values: dict = dict(
+            transfer_timeout=mooncake_transfer_timeout(),
+            rpc_port_range=rpc_port_range(),
+            handshake_max_length=handshake_max_length(),
+        )
         own = {
             "transfer_timeout": _env_number("FLAGCX_MC_TRANSFER_TIMEOUT"),
             "handshake_timeout": _env_number("FLAGCX_MC_HANDSHAKE_TIMEOUT"),
@@ -116,6 +205,8 @@ class EngineConfig:
             "slice_size": _env_number("FLAGCX_MC_SLICE_SIZE", int),
             "wait_threads": _env_number("FLAGCX_MC_WAIT_THREADS", int),
             "transport": os.environ.get("FLAGCX_MC_TRANSPORT") or None,
+            "advertise_host": os.environ.get("MC_TCP_BIND_ADDRESS", "").strip() or None,
+            "accept_mooncake_wire": _env_flag("FLAGCX_MC_ACCEPT_MOONCAKE_WIRE"),
         }
         values.update({k: v for k, v in own.items() if v is not None})
         env_secret = os.environ.get("FLAGCX_MC_SECRET")
@@ -124,6 +215,12 @@ class EngineConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         if isinstance(values.get("secret"), str):
             values["secret"] = values["secret"].encode()
+        for name in ("rpc_port_range", "data_port_range"):
+            if isinstance(values.get(name), list):  # JSON has no tuples
+                values[name] = tuple(values[name])
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise InvalidArgumentError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
         config = cls(**values)
         config.validate()
         problem = check_local_congestion_control()
@@ -132,8 +229,6 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        from .errors import InvalidArgumentError
-
         if not self.transfer_timeout > 0 or not self.handshake_timeout > 0:
             raise InvalidArgumentError("timeouts must be positive")
         if not 1 <= self.streams_per_peer <= 64:
@@ -146,6 +241,19 @@ class EngineConfig:
             raise InvalidArgumentError("transport must be 'auto', 'tcp' or 'same-host'")
         if self.secret is not None and not (isinstance(self.secret, bytes) and 1 <= len(self.secret) <= 256):
             raise InvalidArgumentError("secret must be 1 to 256 bytes")
+        for name in ("rpc_port_range", "data_port_range"):
+            ports = getattr(self, name)
+            if ports is None and name == "data_port_range":
+                continue
+            if not (isinstance(ports, tuple) and len(ports) == 2 and all(type(p) is int for p in ports)):
+                raise InvalidArgumentError(f"{name} must be a (low, high) pair of ints, not {ports!r}")
+            if not 1 <= ports[0] <= ports[1] <= 65535:
+                raise InvalidArgumentError(f"{name} {ports[0]}..{ports[1]} is not a range within 1..65535")
+        if not MIN_MAX_LENGTH <= self.handshake_max_length <= MAX_MAX_LENGTH:
+            raise InvalidArgumentError(
+                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], not {self.handshake_max_length}")
+        if not isinstance(self.accept_mooncake_wire, bool):
+            raise InvalidArgumentError("accept_mooncake_wire must be True or False")
 
     def timeout_for(self, total_bytes: int) -> float:
         """Deadline of one transfer call: Mooncake's timeout plus 1 ns per byte."""

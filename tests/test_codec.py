@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flagcx_mc.config import EngineConfig, handshake_max_length
 from flagcx_mc.control.codec import (
     DEFAULT_MAX_LENGTH,
     FrameDecoder,
     Message,
     MessageType,
     encode_message,
-    max_length_from_env,
 )
 from flagcx_mc.errors import LocalProtocolError, MalformedJsonError, RemoteProtocolError
 from flagcx_mc.metadata.descriptor import (
@@ -169,13 +169,15 @@ def test_encode_rejects_bad_input():
         ("", 1 << 20),
     ],
 )
-def test_max_length_from_env(monkeypatch, raw, expected):
+def test_handshake_max_length_from_env(monkeypatch, raw, expected):
     if raw is None:
         monkeypatch.delenv("MC_HANDSHAKE_MAX_LENGTH", raising=False)
     else:
         monkeypatch.setenv("MC_HANDSHAKE_MAX_LENGTH", raw)
-    assert max_length_from_env() == expected
-    assert FrameDecoder().max_length == expected
+    assert handshake_max_length() == expected
+    assert EngineConfig.from_env().handshake_max_length == expected
+    # The codec itself never reads the environment: its default is Mooncake's 1 MiB.
+    assert FrameDecoder().max_length == 1 << 20
 
 
 @settings(max_examples=300, deadline=None)

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import Callable, Dict, List
@@ -40,21 +39,10 @@ FAILURE_CODES = {
     "small write": {ECONN, ETIMEOUT},
 }
 
-# Runs flagcx_mc.node with its rpc port pinned to $FMC_TEST_RPC_PORT, so that a restarted target
-# comes back under the same session name ("host:port").  The data port stays random, as in life.
-_PINNED_NODE = (
-    "import os, runpy, sys\n"
-    "import flagcx_mc.control.handshake as server\n"
-    "port = int(os.environ['FMC_TEST_RPC_PORT'])\n"
-    "server.rpc_port_range = lambda: (port, port)\n"
-    "sys.argv = ['flagcx_mc._testing.node']\n"
-    "runpy.run_module('flagcx_mc._testing.node', run_name='__main__', alter_sys=True)\n"
-)
-
-
 def pinned_node(rpc_port: int, regions: List[int]) -> NodeProcess:
-    return NodeProcess(regions=regions, argv_prefix=[sys.executable, "-c", _PINNED_NODE],
-                       env={"FMC_TEST_RPC_PORT": str(rpc_port)})
+    """A node whose rpc port is pinned, so that a restarted target comes back under the same
+    session name ("host:port").  The data port stays random, as in life."""
+    return NodeProcess(regions=regions, config={"rpc_port_range": [rpc_port, rpc_port], "data_port_range": [15000, 17000]})
 
 
 def free_rpc_port() -> int:

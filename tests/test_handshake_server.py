@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from flagcx_mc.config import rpc_port_range
 from flagcx_mc.control.codec import FrameDecoder, Message, MessageType, encode_message
 from flagcx_mc.control.handshake import HandshakeServer, request
 from flagcx_mc.errors import (
@@ -22,7 +23,7 @@ from flagcx_mc.errors import (
     PeerConnectionError,
     RemoteProtocolError,
 )
-from flagcx_mc.net.addresses import format_host_port, parse_host_port, rpc_port_range
+from flagcx_mc.net.addresses import format_host_port, parse_host_port
 
 HOST = "127.0.0.1"
 pytestmark = pytest.mark.timeout(20)
@@ -292,30 +293,26 @@ def _find_bindable_port() -> int:
     pytest.skip("no bindable port in 23000..32000")
 
 
-async def test_start_none_picks_port_in_env_range(monkeypatch):
+async def test_start_none_picks_port_in_given_range():
     base = _find_bindable_port()
-    monkeypatch.setenv("MC_MIN_RPC_PORT", str(base))
-    monkeypatch.setenv("MC_MAX_RPC_PORT", str(base + 3))
     server = HandshakeServer(HANDLERS)
     try:
-        port = await server.start(HOST, None)
+        port = await server.start(HOST, None, port_range=(base, base + 3))
         assert base <= port <= base + 3 and server.port == port
         assert (await request(HOST, port, MessageType.PROBE, {}))["type"] == 3
     finally:
         await server.close()
 
 
-async def test_start_fails_with_endpoint_error_when_port_taken(monkeypatch):
+async def test_start_fails_with_endpoint_error_when_port_taken():
     with socket.socket() as taken:
         taken.bind((HOST, _find_bindable_port()))
         taken.listen()
         port = taken.getsockname()[1]
-        monkeypatch.setenv("MC_MIN_RPC_PORT", str(port))
-        monkeypatch.setenv("MC_MAX_RPC_PORT", str(port))
         for wanted in (None, port):
             server = HandshakeServer(HANDLERS)
             with pytest.raises(EndpointError):
-                await server.start(HOST, wanted)
+                await server.start(HOST, wanted, port_range=(port, port))
             await server.close()
 
 

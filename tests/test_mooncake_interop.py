@@ -93,11 +93,16 @@ def test_refusals_both_ways(ours, mooncake_node):
     assert eng.transfer_sync_write(mooncake_node.session, buf.addr, mooncake_node.addr(0) - 8, 64) == -3
 
 
-async def test_mooncake_framing_can_be_turned_off(mooncake_node, local_buf):
-    async with AsyncTransferEngine() as eng:
+@pytest.mark.parametrize("how", ["keyword", "environment"])
+async def test_mooncake_framing_can_be_turned_off(mooncake_node, local_buf, monkeypatch, how):
+    if how == "keyword":
+        settings = {"accept_mooncake_wire": False}
+    else:
+        monkeypatch.setenv("FLAGCX_MC_ACCEPT_MOONCAKE_WIRE", "0")
+        settings = {}
+    async with AsyncTransferEngine(**settings) as eng:
         await eng.initialize("127.0.0.1")
         await eng.register_memory(local_buf.addr, 1 << 20)
-        eng._state.require_core().accept_mooncake_wire(False)
         local_buf.fill(0x11, 0, 4096)
         # (off the loop: the Mooncake node handshakes with this very loop)
         reply = await asyncio.to_thread(mooncake_node.call, "transfer", op="write", target=eng.session_name,

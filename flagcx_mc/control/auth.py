@@ -17,7 +17,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import orjson
 
 from .. import errors
-from .codec import Message, MessageType
+from .codec import DEFAULT_MAX_LENGTH, Message, MessageType
 from .handshake import Handler, request
 
 __all__ = ["AUTH_KEY", "sign_request", "RequestVerifier", "sign_reply", "verify_reply", "authed_request",
@@ -86,12 +86,12 @@ def verify_reply(secret: bytes, mtype: int, nonce: str, payload: Mapping) -> dic
 
 
 async def authed_request(secret: Optional[bytes], host: str, port: int, mtype: MessageType, payload: dict,
-                         *, timeout: float) -> dict:
+                         *, timeout: float, max_length: int = DEFAULT_MAX_LENGTH) -> dict:
     """``handshake.request`` with proofs both ways when a secret is set."""
     if secret is None or mtype in _UNAUTHENTICATED:
-        return await request(host, port, mtype, payload, timeout=timeout)
+        return await request(host, port, mtype, payload, timeout=timeout, max_length=max_length)
     signed, nonce = sign_request(secret, mtype, payload)
-    reply = await request(host, port, mtype, signed, timeout=timeout)
+    reply = await request(host, port, mtype, signed, timeout=timeout, max_length=max_length)
     return verify_reply(secret, mtype, nonce, reply)
 
 

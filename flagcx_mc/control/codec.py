@@ -12,8 +12,6 @@ module free of sockets and asyncio lets the tests drive it byte by byte.
 from __future__ import annotations
 
 import enum
-import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +27,8 @@ __all__ = [
     "MessageType",
     "Message",
     "encode_message",
-    "max_length_from_env",
     "FrameDecoder",
 ]
-
-_log = logging.getLogger(__name__)
 
 HEADER_SIZE = 8
 DEFAULT_MAX_LENGTH = 1 << 20
@@ -58,25 +53,9 @@ class Message:
     payload: dict[str, Any]
 
 
-def max_length_from_env() -> int:
-    """Read ``MC_HANDSHAKE_MAX_LENGTH`` (bytes), clamped to 1 MiB..128 MiB like Mooncake.
-
-    Unset or unparsable values give ``DEFAULT_MAX_LENGTH``.
-    """
-    raw = os.environ.get("MC_HANDSHAKE_MAX_LENGTH")
-    if raw is None:
-        return DEFAULT_MAX_LENGTH
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        _log.warning("ignoring MC_HANDSHAKE_MAX_LENGTH=%r: not an integer", raw)
-        return DEFAULT_MAX_LENGTH
-    return min(max(value, MIN_MAX_LENGTH), MAX_MAX_LENGTH)
-
-
 def _resolve_max_length(max_length: int | None) -> int:
     if max_length is None:
-        return max_length_from_env()
+        return DEFAULT_MAX_LENGTH
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise LocalProtocolError(f"max_length must be a positive int, not {max_length!r}")
     return max_length
@@ -90,7 +69,7 @@ def encode_message(
     Args:
         type: the message type; replies must reuse the request's type.
         payload: a JSON object (str keys, JSON-serializable values).
-        max_length: cap on the length field; ``None`` reads ``MC_HANDSHAKE_MAX_LENGTH``.
+        max_length: cap on the length field; ``None`` means ``DEFAULT_MAX_LENGTH``.
 
     Returns:
         The complete frame, ready to write.

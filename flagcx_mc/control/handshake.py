@@ -28,22 +28,23 @@ from ..errors import (
     PeerConnectionError,
     RemoteProtocolError,
 )
-from ..net.addresses import format_host_port, rpc_port_range
+from ..net.addresses import format_host_port
 from ..net.listeners import bind_listener, close_server, peer_name
 from .codec import (
+    DEFAULT_MAX_LENGTH,
     FrameDecoder,
     Message,
     MessageType,
     encode_message,
-    max_length_from_env,
 )
 
-__all__ = ["Handler", "HandshakeServer", "request", "PORT_ATTEMPTS", "LISTEN_BACKLOG"]
+__all__ = ["Handler", "HandshakeServer", "request", "DEFAULT_RPC_PORT_RANGE", "PORT_ATTEMPTS", "LISTEN_BACKLOG"]
 
 _log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Awaitable[dict]]
 
+DEFAULT_RPC_PORT_RANGE = (15000, 17000)  # Mooncake's MC_MIN_RPC_PORT..MC_MAX_RPC_PORT default
 PORT_ATTEMPTS = 500  # Mooncake's findAvailableTcpPort tries this many random ports
 LISTEN_BACKLOG = 128  # Mooncake's MC_HANDSHAKE_LISTEN_BACKLOG default
 _READ_CHUNK = 64 * 1024
@@ -55,7 +56,7 @@ class HandshakeServer:
 
     Args:
         handlers: coroutine per message type; each returns the reply payload.
-        max_length: frame length cap; ``None`` reads ``MC_HANDSHAKE_MAX_LENGTH``.
+        max_length: frame length cap (``EngineConfig.handshake_max_length``).
         read_timeout: seconds a connection may sit idle or take to deliver one frame.
         max_connections: concurrent connections beyond which new ones are closed at once.
     """
@@ -64,7 +65,7 @@ class HandshakeServer:
         self,
         handlers: Mapping[MessageType, Handler],
         *,
-        max_length: int | None = None,
+        max_length: int = DEFAULT_MAX_LENGTH,
         read_timeout: float = 5.0,
         max_connections: int = 1024,
     ) -> None:
@@ -93,13 +94,14 @@ class HandshakeServer:
         """Connections currently being served."""
         return len(self._conns)
 
-    async def start(self, host: str, port: int | None = 0) -> int:
+    async def start(self, host: str, port: int | None = 0, *,
+                    port_range: tuple[int, int] = DEFAULT_RPC_PORT_RANGE) -> int:
         """Bind to ``host`` only and start accepting.
 
         Args:
             host: address or name to bind; the first address it resolves to is used.
-            port: ``None`` picks like Mooncake (up to 500 random ports from
-                ``rpc_port_range()``), ``0`` lets the OS choose, ``> 0`` binds exactly it.
+            port: ``None`` picks like Mooncake (up to 500 random ports from ``port_range``,
+                inclusive), ``0`` lets the OS choose, ``> 0`` binds exactly it.
 
         Returns:
             The bound port.
@@ -124,7 +126,7 @@ class HandshakeServer:
             raise DnsError(f"cannot resolve handshake host {host!r}: {exc}") from None
         family, stype, proto, _, addr = infos[0]
         if port is None:
-            low, high = rpc_port_range()
+            low, high = port_range
             candidates = [random.randint(low, high) for _ in range(PORT_ATTEMPTS)]
         else:
             candidates = [port]
@@ -247,7 +249,7 @@ async def request(
     payload: dict,
     *,
     timeout: float = 5.0,
-    max_length: int | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
 ) -> dict:
     """Send one frame to ``host:port`` and return the payload of its one reply.
 
@@ -261,7 +263,7 @@ async def request(
         HandshakeRejectedError: the reply carries a non-empty ``"error"`` string.
     """
     where = format_host_port(host, port)
-    limit = max_length if max_length is not None else max_length_from_env()
+    limit = max_length
     frame = encode_message(type, payload, max_length=limit)
     mtype = MessageType(type)
     try:

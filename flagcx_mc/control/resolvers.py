@@ -16,7 +16,7 @@ from ..metadata.keys import rpc_meta_key, segment_key
 from ..metadata.store import MetadataStore
 from ..net.addresses import parse_host_port
 from .auth import authed_request
-from .codec import MessageType
+from .codec import DEFAULT_MAX_LENGTH, MessageType
 from .handshake import request
 
 __all__ = ["Resolver", "P2PResolver", "StoreResolver"]
@@ -33,10 +33,12 @@ class Resolver(Protocol):
 class P2PResolver:
     """Ask the peer: a Metadata round trip on its rpc port (our descriptor goes with it)."""
 
-    def __init__(self, local_desc: Callable[[], dict], timeout: float, secret: Optional[bytes] = None) -> None:
+    def __init__(self, local_desc: Callable[[], dict], timeout: float, secret: Optional[bytes] = None,
+                 max_length: int = DEFAULT_MAX_LENGTH) -> None:
         self._local_desc = local_desc
         self._timeout = timeout
         self._secret = secret
+        self._max_length = max_length
 
     async def resolve(self, name: str) -> Resolved:
         try:
@@ -44,7 +46,7 @@ class P2PResolver:
         except errors.FlagcxMcError as exc:
             raise errors.InvalidArgumentError(f"bad session name {name!r}: {exc}") from None
         reply = await authed_request(self._secret, host, port, MessageType.METADATA, self._local_desc(),
-                                     timeout=self._timeout)
+                                     timeout=self._timeout, max_length=self._max_length)
         return host, port, SegmentDesc.from_json_dict(reply)
 
 

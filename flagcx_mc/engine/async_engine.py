@@ -380,7 +380,9 @@ class AsyncTransferEngine:
             host, port, _ = await self._state.store.resolve(peer_server_name)
         else:
             host, port = parse_host_port(peer_server_name)
-        reply = await request(host, port, MessageType.PROBE, {}, timeout=self._state.config.handshake_timeout)
+        config = self._state.config
+        reply = await request(host, port, MessageType.PROBE, {}, timeout=config.handshake_timeout,
+                              max_length=config.handshake_max_length)
         if reply.get("status") != "success":
             raise errors.HandshakeRejectedError(f"{peer_server_name} answered the probe with {reply!r}")
 
@@ -389,8 +391,10 @@ class AsyncTransferEngine:
         """Deliver ``notify`` to the target's ``get_notifies()``."""
         if session is None:
             session = await self._state.require_sessions().get(target_hostname)
-        await authed_request(self._state.config.secret, session.host, session.rpc_port, MessageType.NOTIFY,
-                             {"name": notify.name, "notify_msg": notify.msg}, timeout=self._state.config.handshake_timeout)
+        config = self._state.config
+        await authed_request(config.secret, session.host, session.rpc_port, MessageType.NOTIFY,
+                             {"name": notify.name, "notify_msg": notify.msg}, timeout=config.handshake_timeout,
+                             max_length=config.handshake_max_length)
 
     def get_notifies(self) -> List[TransferNotify]:
         """Drain the notifications peers sent to this engine, oldest first."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Deque, Optional, TypeVar
@@ -26,7 +25,7 @@ from ..control.local_segment import LocalSegment
 from ..control.resolvers import P2PResolver, StoreResolver
 from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
-from ..net.addresses import format_host_port, parse_host_port, rpc_port_range
+from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
 from .managed import ManagedPool
 from .metrics import EngineMetrics
@@ -81,25 +80,28 @@ class EngineState:
             log.info("protocol %r requested: this build moves data over its native TCP transport", protocol)
         host, _ = parse_host_port(local_hostname, default_port=12001)  # the port is ignored, as in Mooncake
         if kind != "p2p":
-            host = await _advertised_host(host)
+            host = self.config.advertise_host or await _resolvable_host(host)
         loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
-        low, high = rpc_port_range()
+        low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
             store = open_store(kind, url, timeout=self.config.handshake_timeout) if kind != "p2p" else None
             self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
             secret = self.config.secret
             if secret is not None:
                 self._core.set_secret(secret)
+            self._core.accept_mooncake_wire(self.config.accept_mooncake_wire)
             self._segment = LocalSegment(self._core, self.notifies, self._shared_mappings)
-            self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret))
-            self.rpc_port = await self._server.start(host, None)
+            self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret),
+                                           max_length=self.config.handshake_max_length)
+            self.rpc_port = await self._server.start(host, None, port_range=self.config.rpc_port_range)
             self.host = host
             # P2P: the name is host:rpc_port.  With a metadata server it is local_hostname verbatim.
             self.name = format_host_port(host, self.rpc_port) if store is None else local_hostname
             self._segment.name = self.name
             if store is None:
-                resolver: Any = P2PResolver(self._segment.desc_json, self.config.handshake_timeout, secret)
+                resolver: Any = P2PResolver(self._segment.desc_json, self.config.handshake_timeout, secret,
+                                            self.config.handshake_max_length)
             else:
                 resolver = self.store = StoreResolver(store)
                 await self.store.publish(self.name, host, self.rpc_port, self._segment.desc_json())
@@ -175,7 +177,9 @@ class EngineState:
         return self._managed is not None and addr in self._managed.shared_mappings()
 
     def stats(self) -> dict:
-        return {**self.require_core().stats(), "session": self.session_name, **self.metrics.snapshot()}
+        core = self.require_core()
+        return {**core.stats(), "session": self.session_name, "rpc_port": self.rpc_port, "data_port": core.data_port,
+                **self.metrics.snapshot()}
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop."""
@@ -244,12 +248,10 @@ class EngineState:
                 log.warning("%s: %s", self.session_name, line)
 
 
-async def _advertised_host(name_host: str) -> str:
-    """With a metadata server the segment name need not be an address (Mooncake's rule):
-    ``MC_TCP_BIND_ADDRESS`` if set, else the name's host if it resolves, else this host's name."""
-    explicit = os.environ.get("MC_TCP_BIND_ADDRESS", "").strip()
-    if explicit:
-        return explicit
+async def _resolvable_host(name_host: str) -> str:
+    """With a metadata server the segment name need not be an address (Mooncake's rule): without
+    ``advertise_host`` (``MC_TCP_BIND_ADDRESS``), the name's host if it resolves, else this
+    host's name."""
     loop = asyncio.get_running_loop()
     for candidate in (name_host, socket.gethostname()):
         try:

@@ -1,4 +1,4 @@
-"""Host/port parsing and formatting, and the RPC port range Mooncake picks handshake ports from.
+"""Host/port parsing and formatting.
 
 Segment names are ``host:port`` strings with IPv6 literals in brackets (Mooncake's
 ``maybeWrapIpV6``); peers parse them back to find the handshake listener, so both
@@ -8,26 +8,10 @@ directions live here.
 from __future__ import annotations
 
 import ipaddress
-import logging
-import os
 
 from ..errors import InvalidArgumentError
 
-__all__ = [
-    "DEFAULT_RPC_PORT_RANGE",
-    "parse_host_port",
-    "format_host_port",
-    "rpc_port_range",
-]
-
-_log = logging.getLogger(__name__)
-
-DEFAULT_RPC_PORT_RANGE: tuple[int, int] = (15000, 17000)
-
-# Linux's default ephemeral range; Mooncake refuses RPC ranges that touch it so that a
-# random handshake port cannot collide with outgoing connections.
-_EPHEMERAL_LOW = 32768
-_EPHEMERAL_HIGH = 60999
+__all__ = ["parse_host_port", "format_host_port"]
 
 
 def _parse_port(text: str, source: str) -> int:
@@ -95,41 +79,3 @@ def format_host_port(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
-
-
-def _port_from_env(primary: str, legacy: str, default: int) -> int:
-    for name in (primary, legacy):
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not an integer") from None
-    return default
-
-
-def rpc_port_range() -> tuple[int, int]:
-    """Return the inclusive range random handshake ports are drawn from.
-
-    Mirrors Mooncake: ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (each falling back to the
-    legacy ``MC_MIN_PRC_PORT``/``MC_MAX_PRC_PORT`` spelling), default 15000..17000. A value
-    that is not an int, is outside 1024..65535, inverts the range or overlaps the
-    ephemeral range 32768..60999 makes the whole range fall back to the default.
-    """
-    low, high = DEFAULT_RPC_PORT_RANGE
-    try:
-        lo = _port_from_env("MC_MIN_RPC_PORT", "MC_MIN_PRC_PORT", low)
-        hi = _port_from_env("MC_MAX_RPC_PORT", "MC_MAX_PRC_PORT", high)
-        if not (1024 <= lo <= 65535 and 1024 <= hi <= 65535):
-            raise ValueError(f"range {lo}..{hi} is outside 1024..65535")
-        if lo > hi:
-            raise ValueError(f"minimum {lo} is above maximum {hi}")
-        if lo <= _EPHEMERAL_HIGH and hi >= _EPHEMERAL_LOW:
-            raise ValueError(
-                f"range {lo}..{hi} overlaps the ephemeral ports "
-                f"{_EPHEMERAL_LOW}..{_EPHEMERAL_HIGH}"
-            )
-    except ValueError as exc:
-        _log.warning("ignoring RPC port range from environment (%s); using %d..%d", exc, low, high)
-        return low, high
-    return lo, hi

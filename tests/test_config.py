@@ -1,0 +1,52 @@
+"""EngineConfig owns every setting: environment, Mooncake's variables and keywords, per engine."""
+from __future__ import annotations
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, TransferEngine
+from flagcx_mc.config import EngineConfig
+from flagcx_mc.errors import InvalidArgumentError
+
+
+def test_keywords_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "16100")
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "16120")
+    monkeypatch.setenv("FLAGCX_MC_ACCEPT_MOONCAKE_WIRE", "no")
+    assert EngineConfig.from_env().rpc_port_range == (16100, 16120)
+    assert EngineConfig.from_env().accept_mooncake_wire is False
+    config = EngineConfig.from_env(rpc_port_range=[16200, 16201], accept_mooncake_wire=True)
+    assert config.rpc_port_range == (16200, 16201) and config.accept_mooncake_wire is True
+
+
+@pytest.mark.parametrize("bad", [
+    {"rpc_port_range": (17000, 16000)},
+    {"rpc_port_range": 16000},
+    {"handshake_max_length": 4096},
+    {"accept_mooncake_wire": "yes"},
+    {"no_such_setting": 1},
+])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(InvalidArgumentError):
+        EngineConfig.from_env(**bad)
+    eng = TransferEngine.__new__(TransferEngine)
+    with pytest.raises(InvalidArgumentError):
+        eng.__init__(**bad)
+
+
+async def test_two_engines_in_one_process_differ():
+    """Each engine takes its own port range from its keywords; the environment is untouched."""
+    async with AsyncTransferEngine(rpc_port_range=(16300, 16310)) as a, \
+            AsyncTransferEngine(rpc_port_range=(16400, 16410)) as b:
+        await a.initialize("127.0.0.1")
+        await b.initialize("127.0.0.1")
+        assert 16300 <= await a.get_rpc_port() <= 16310
+        assert 16400 <= await b.get_rpc_port() <= 16410
+        assert a.config.rpc_port_range != b.config.rpc_port_range
+
+
+async def test_data_port_range_apart_from_the_rpc_port():
+    """A one-port rpc range still leaves the data listener somewhere to bind when it has its own."""
+    async with AsyncTransferEngine(rpc_port_range=(16500, 16500), data_port_range=(16501, 16520)) as eng:
+        await eng.initialize("127.0.0.1")
+        assert await eng.get_rpc_port() == 16500
+        assert 16501 <= eng.stats()["data_port"] <= 16520
