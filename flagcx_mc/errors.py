@@ -2,8 +2,9 @@
 
 Codes reuse Mooncake's bands (include/error.h): -1..-7 request errors, -10x network and
 handshake, -20x metadata, -30x system.  Codes Mooncake does not have (-105..-107) sit in the
-network band.  ``check_rc`` is the only place that turns a code into an exception; only the
-sync facade turns exceptions back into codes (``exc.code``).
+network band.  ``CODE_TO_ERROR`` is the one table between codes and exception classes:
+``error_for_code`` (and ``check_rc``, which passes non-negative codes through) builds exceptions
+from it, and only the sync facade turns exceptions back into codes (``exc.code``).
 """
 
 from __future__ import annotations

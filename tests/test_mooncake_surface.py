@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import subprocess
@@ -200,3 +201,71 @@ def test_import_alias_runs_unmodified_mooncake_code(tmp_path, node):
     rc, digest = out.stdout.split()[1:3]
     assert rc == "0"
     assert node.call("digest", region=1, offset=0, length=1 << 16)["digest"] == digest
+
+
+_ALIAS_CHECKS = textwrap.dedent("""
+    import importlib.util, sys
+    spec = importlib.util.find_spec("mooncake.engine")   # SGLang's availability check
+    assert spec is not None and spec.name == "mooncake.engine", spec
+    from mooncake.engine import TransferEngine
+    assert TransferEngine.__module__.startswith("flagcx_mc."), TransferEngine
+    import mooncake
+    real = not getattr(mooncake, "__flagcx_mc__", False)
+    print("real" if real else "placeholder")
+    if real:
+        import mooncake.store, mooncake.buffer_pool   # the rest of Mooncake still imports
+        assert not getattr(mooncake.store, "__flagcx_mc__", False)
+    else:
+        try:
+            import mooncake.store
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise AssertionError("a placeholder package invented mooncake.store")
+""")
+
+
+def test_alias_replaces_mooncake_engine_alone(tmp_path):
+    script = tmp_path / "checks.py"
+    script.write_text(_ALIAS_CHECKS)
+    out = subprocess.run([sys.executable, "-m", "flagcx_mc.compat", str(script)], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    if importlib.util.find_spec("mooncake") is not None:
+        assert out.stdout.split() == ["real"]
+
+
+def test_alias_without_mooncake_installed(tmp_path):
+    """Where no real Mooncake exists, an empty package with a proper spec holds the stand-in."""
+    script = tmp_path / "checks.py"
+    script.write_text("import importlib.machinery, sys\n"
+                      "from flagcx_mc import compat\n"
+                      "compat._MooncakeEngineFinder._real_package_spec = lambda self: None  # hide a real one\n"
+                      "compat.install_mooncake_alias()\n" + _ALIAS_CHECKS)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["placeholder"]
+
+
+def test_alias_refuses_to_replace_an_imported_real_mooncake_engine(tmp_path):
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("Mooncake's wheel is not installed here (the [test] extra installs it)")
+    script = tmp_path / "checks.py"
+    script.write_text(textwrap.dedent("""
+        import mooncake.engine as real
+        from flagcx_mc import compat
+        try:
+            compat.install_mooncake_alias()
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("replaced an imported mooncake.engine without force")
+        assert compat.install_mooncake_alias(force=True).__flagcx_mc__
+        import mooncake.engine
+        assert mooncake.engine is not real and mooncake.engine.__flagcx_mc__
+        compat.uninstall_mooncake_alias()
+        import importlib
+        assert not getattr(importlib.import_module("mooncake.engine"), "__flagcx_mc__", False)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import zmq
 import zmq.asyncio
@@ -118,6 +118,21 @@ def bind_free(sock: zmq.Socket, host: str = "127.0.0.1", advertise: Optional[str
     return tcp_endpoint((advertise or bare).strip("[]"), port)
 
 
+def bound_router(ctx: zmq.asyncio.Context, host: str, advertise: Optional[str], max_message: int,
+                 configure: Callable[[zmq.Socket], None] = lambda sock: None) -> Tuple[zmq.asyncio.Socket, str]:
+    """A ROUTER socket (linger 0, messages capped at ``max_message`` bytes, then ``configure``)
+    bound to a free port on ``host``, and the endpoint to publish; closed again if any step fails."""
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+        configure(sock)
+        return sock, bind_free(sock, host, advertise)
+    except BaseException:
+        sock.close(0)
+        raise
+
+
 class BootstrapRegistry:
     """A small table of worker endpoints, served over ZMQ (one ROUTER socket).
 
@@ -135,15 +150,7 @@ class BootstrapRegistry:
 
     async def start(self, host: str = "127.0.0.1", advertise: Optional[str] = None) -> str:
         """Bind to a free port on ``host`` and serve; returns the registry's endpoint."""
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        try:
-            self.endpoint = bind_free(sock, host, advertise)
-        except BaseException:
-            sock.close(0)
-            raise
-        self._sock = sock
+        self._sock, self.endpoint = bound_router(self._ctx, host, advertise, 1 << 20)
         self._task = asyncio.get_running_loop().create_task(self._serve())
         return self.endpoint
 

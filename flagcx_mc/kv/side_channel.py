@@ -60,7 +60,7 @@ from .messages import (
     encode,
     new_id,
 )
-from .ports import bind_free
+from .ports import bound_router
 
 __all__ = ["KVSender", "KVReceiver", "Outcome", "Status", "SideChannelError", "DEFAULT_TTL", "DEFAULT_GRACE"]
 
@@ -228,15 +228,8 @@ class KVSender:
         """Bind the listener to a free port on ``host``; returns the endpoint decode dials."""
         if self._sock is not None or self._closed:
             raise SideChannelError("sender already started" if self._sock else "sender closed")
-        sock = self._ctx.socket(zmq.ROUTER)
-        _tune(sock, self._heartbeat)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        try:
-            self.endpoint = bind_free(sock, host, advertise)
-        except BaseException:
-            sock.close(0)
-            raise
-        self._sock = sock
+        self._sock, self.endpoint = bound_router(self._ctx, host, advertise, MAX_MESSAGE_BYTES,
+                                                 lambda sock: _tune(sock, self._heartbeat))
         self._serve_task = asyncio.get_running_loop().create_task(self._serve())
         return self.endpoint
 
