@@ -34,6 +34,9 @@ int fmc_spin_us(void);
 int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer that is not small */
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
 void fmc_cond_init_monotonic(pthread_cond_t *cv);
+/* n bytes from the kernel's generator (common/fmc_random.c); -1 with the error set if it fails:
+ * callers fail too, never going on with predictable or uninitialised bytes. */
+int fmc_random_bytes(void *p, size_t n);
 
 /* Buffered reader over a blocking socket: headers and small payloads come from one recv. */
 typedef struct {

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -134,14 +133,16 @@ void fmc_engine_get_stats(fmc_engine *e, fmc_stats *s)
 
 /* ------------------------------------------------------------------ registry API */
 
-static uint32_t random_key(void)
+/* A region's key, never 0.  Keys are what stops a peer from reaching a region by a guessed
+ * address, so they come from the kernel's generator or not at all. */
+static int random_key(uint32_t *key)
 {
     uint32_t k = 0;
-    while (k == 0) {
-        if (getrandom(&k, sizeof k, 0) != (ssize_t)sizeof k)
-            k = (uint32_t)rand() ^ (uint32_t)fmc_now_ms();
-    }
-    return k;
+    while (k == 0)
+        if (fmc_random_bytes(&k, sizeof k) < 0)
+            return -1;
+    *key = k;
+    return 0;
 }
 
 int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
@@ -165,10 +166,12 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         else if (rc != FMC_OK)
             return rc;
     }
+    uint32_t key;
+    if (random_key(&key) < 0)
+        return FMC_ERR_NOT_IMPLEMENTED;
     int host = dev < 0 && writable;
     if (host)
         fmc_hugepages_prepare(addr, len); /* huge pages, faulted in: first-touch writes are slow */
-    uint32_t key = random_key();
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     if (rc == FMC_OK) {

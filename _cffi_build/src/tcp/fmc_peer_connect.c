@@ -86,6 +86,11 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
         int pr = FMC_OK; /* Mooncake's framing has no preamble */
         if (p->proto != FMC_PROTO_MOONCAKE)
             pr = left > 0 ? native_preamble(p, fd, (int)left) : FMC_ERR_TIMEOUT;
+        if (pr == FMC_ERR_NOT_IMPLEMENTED) { /* no nonce for the authentication: the error says why */
+            close(fd);
+            rc = pr;
+            break;
+        }
         if (pr != FMC_OK) {
             close(fd);
             fmc_set_error("data port %s:%d %s", p->host, p->data_port,

@@ -431,7 +431,9 @@ static int handshake(fmc_conn_state *cs)
                 fmc_send_all(cs->c->fd, reply, sizeof reply);
             }
             fmc_engine_log(cs->e, "refused a data connection: %s",
-                           flags & FMC_PREAMBLE_AUTH ? "wrong shared secret" : "no shared secret offered");
+                           rc == FMC_ERR_NOT_IMPLEMENTED ? fmc_last_error()
+                           : flags & FMC_PREAMBLE_AUTH  ? "wrong shared secret"
+                                                        : "no shared secret offered");
             return -1;
         }
         fmc_set_recv_timeout(cs->c->fd, 0);

@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -75,11 +74,12 @@ void fmc_tune_socket(int fd)
     use_local_congestion_control(fd);
 }
 
+/* A port in [lo, hi], or -1 (error set) without random bytes. */
 static int random_port(int lo, int hi)
 {
     uint32_t r = 0;
-    if (getrandom(&r, sizeof r, 0) != (ssize_t)sizeof r)
-        r = (uint32_t)rand();
+    if (fmc_random_bytes(&r, sizeof r) < 0)
+        return -1;
     return lo + (int)(r % (uint32_t)(hi - lo + 1));
 }
 
@@ -101,6 +101,10 @@ int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out)
     int last_errno = 0;
     for (int i = 0; i < attempts; i++) {
         int port = (port_min == 0 && port_max == 0) ? 0 : random_port(port_min, port_max);
+        if (port < 0) {
+            freeaddrinfo(res);
+            return FMC_ERR_NOT_IMPLEMENTED;
+        }
         for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
             int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
             if (fd < 0) {
