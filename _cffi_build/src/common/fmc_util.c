@@ -196,22 +196,6 @@ int fmc_reader_skip(fmc_reader *r, size_t n)
 
 /* ------------------------------------------------------------------ blocking I/O */
 
-int fmc_send_all(int fd, const void *buf, size_t len)
-{
-    const uint8_t *p = buf;
-    while (len) {
-        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return -1;
-        }
-        p += n;
-        len -= (size_t)n;
-    }
-    return 0;
-}
-
 /* Skip the n bytes a partial sendmsg (or vmsplice) took. */
 void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
 {
@@ -240,10 +224,15 @@ int fmc_iov_merge(struct iovec *iov, int iovcnt)
     return m;
 }
 
-int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags)
+/* The one sendmsg loop: sends every iovec (consuming iov), again after EINTR and partial sends.
+ * deadline_ms < 0: blocking sends.  Otherwise each sendmsg is non-blocking and a full socket is
+ * waited for in poll() until deadline_ms (fmc_now_ms clock): -2 once it passed.  -1 on error. */
+static int sendv_loop(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms)
 {
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
+    if (deadline_ms >= 0)
+        flags |= MSG_DONTWAIT;
     while (iovcnt > 0) {
         msg.msg_iov = iov;
         msg.msg_iovlen = (size_t)iovcnt;
@@ -251,33 +240,7 @@ int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags)
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            return -1;
-        }
-        fmc_iov_advance(&iov, &iovcnt, (size_t)n);
-    }
-    return 0;
-}
-
-int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt) { return fmc_sendv_flags(fd, iov, iovcnt, 0); }
-
-int fmc_socket_reset(int fd)
-{
-    struct pollfd pfd = {.fd = fd, .events = 0};
-    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
-}
-
-int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms)
-{
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    while (iovcnt > 0) {
-        msg.msg_iov = iov;
-        msg.msg_iovlen = (size_t)iovcnt;
-        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK)
+            if (deadline_ms < 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
                 return -1;
             int64_t left = deadline_ms - fmc_now_ms();
             struct pollfd pfd = {.fd = fd, .events = POLLOUT};
@@ -288,6 +251,27 @@ int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_m
         fmc_iov_advance(&iov, &iovcnt, (size_t)n);
     }
     return 0;
+}
+
+int fmc_send_all(int fd, const void *buf, size_t len)
+{
+    struct iovec v = {.iov_base = (void *)buf, .iov_len = len};
+    return len ? sendv_loop(fd, &v, 1, 0, -1) : 0;
+}
+
+int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags) { return sendv_loop(fd, iov, iovcnt, flags, -1); }
+
+int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt) { return sendv_loop(fd, iov, iovcnt, 0, -1); }
+
+int fmc_socket_reset(int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = 0};
+    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
+}
+
+int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms)
+{
+    return sendv_loop(fd, iov, iovcnt, 0, deadline_ms < 0 ? 0 : deadline_ms);
 }
 
 int fmc_recv_all(int fd, void *buf, size_t len)
