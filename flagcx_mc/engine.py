@@ -129,7 +129,7 @@ class AsyncTransferEngine:
         low, high = rpc_port_range()
         try:
             store = open_store(kind, url, timeout=self._config.handshake_timeout) if kind != "p2p" else None
-            self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
+            self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high, self._config)
             secret = self._config.secret
             if secret is not None:
                 self._core.set_secret(secret)

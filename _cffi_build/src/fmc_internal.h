@@ -27,11 +27,12 @@
 void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
-int fmc_spin_us(void);
+int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (engine/fmc_batch.c) */
 /* Transfers up to this size are "small": worth polling for, and (on one idle stream) sent by
  * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
-int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer that is not small */
+/* fmc_spin_us, or 0 after a transfer that is not small. */
+int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes);
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
 void fmc_cond_init_monotonic(pthread_cond_t *cv);
 /* n bytes from the kernel's generator (common/fmc_random.c); -1 with the error set if it fails:
@@ -84,14 +85,20 @@ int fmc_socket_reset(int fd);
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
-int fmc_zc_enabled(void);
+int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
+int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
 int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);
 void fmc_zc_pipe_close(int pipefd[2]);
 
 /* ------------------------------------------------------------------------- tcp/fmc_socket.c */
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
 int fmc_tcp_connect(const char *host, int port, int timeout_ms);
+/* Options of every data connection; local_cc: congestion control if the peer is on this host
+ * ("" leaves the host's).  fmc_tune_socket and fmc_tcp_connect, for the benchmark's raw socket
+ * (no engine), take it from FLAGCX_MC_LOCAL_CC as engines do by default. */
+void fmc_tune_socket_cc(int fd, const char *local_cc);
 void fmc_tune_socket(int fd);
+int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *local_cc);
 void fmc_set_recv_timeout(int fd, int seconds); /* 0: none */
 
 /* ------------------------------------- authentication (tcp/fmc_auth.c, common/fmc_sha256.c) */
@@ -238,6 +245,7 @@ struct fmc_engine {
     atomic_uint_fast64_t stat_requests, stat_vectors, stat_zc_answers, stat_zc_resets;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
+    fmc_options opts;         /* set at creation, never changed */
     pthread_mutex_t log_mu;
     char log[FMC_LOG_CAP];
     int log_len;
@@ -247,7 +255,7 @@ struct fmc_engine {
 /* Registered host memory in huge pages (common/fmc_hugepages.c): prepare = ask and fault in, now;
  * collapse_later = turn pages already touched into huge pages, in the background; stop = end the
  * engine's background thread (engine destroy). */
-void fmc_hugepages_prepare(uint64_t addr, uint64_t len);
+void fmc_hugepages_prepare(const fmc_engine *e, uint64_t addr, uint64_t len);
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key);
 void fmc_hugepages_stop(fmc_engine *e);
 /* Pin the region registered at addr under that key (NULL if none): unregister waits for the pin

@@ -19,7 +19,19 @@
 const char *fmc_version(void) { return FMC_VERSION; }
 int fmc_data_header_size(void) { return FMC_REQ_SIZE; }
 
-int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out)
+void fmc_options_default(fmc_options *o)
+{
+    memset(o, 0, sizeof *o);
+    strcpy(o->local_cc, "reno");
+    o->prefault = 1;
+    o->vectors = 1;
+    o->spin_us = 30;
+    o->copy_threads = 0;
+    o->zerocopy = 1;
+}
+
+int fmc_engine_create(const char *bind_host, int port_min, int port_max, const fmc_options *opts,
+                      fmc_engine **out)
 {
     *out = NULL;
     if (port_min < 0 || port_max > 65535 || port_min > port_max) {
@@ -35,6 +47,18 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
     e->wake_pipe[0] = e->wake_pipe[1] = -1;
     e->accept_mooncake_wire = 1;
     e->sh_fd = -1;
+    if (opts)
+        e->opts = *opts;
+    else
+        fmc_options_default(&e->opts);
+    e->opts.local_cc[sizeof e->opts.local_cc - 1] = '\0';
+    e->opts.spin_us = e->opts.spin_us < 0 ? 0 : e->opts.spin_us > 10000 ? 10000 : e->opts.spin_us;
+    if (e->opts.copy_threads <= 0) { /* the online cores */
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        e->opts.copy_threads = (int)(cores > 0 ? cores : 1);
+    }
+    if (e->opts.copy_threads > FMC_SH_WORDS_PER_PEER)
+        e->opts.copy_threads = FMC_SH_WORDS_PER_PEER;
     fmc_sh_engine_init(e); /* optional: without it peers use TCP */
     int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);
     if (fd < 0) {
@@ -171,7 +195,7 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         return FMC_ERR_NOT_IMPLEMENTED;
     int host = dev < 0 && writable;
     if (host)
-        fmc_hugepages_prepare(addr, len); /* huge pages, faulted in: first-touch writes are slow */
+        fmc_hugepages_prepare(e, addr, len); /* huge pages, faulted in: first-touch writes are slow */
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     if (rc == FMC_OK) {

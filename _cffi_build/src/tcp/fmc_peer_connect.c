@@ -11,13 +11,6 @@
 #include "fmc_internal.h"
 #include "fmc_wire.h"
 
-/* FLAGCX_MC_VECTORS=0 keeps this initiator on single requests (comparisons, old targets). */
-static int vectors_wanted(void)
-{
-    const char *env = getenv("FLAGCX_MC_VECTORS");
-    return !(env && env[0] == '0');
-}
-
 /* The native preamble (and, with a shared secret, the authentication exchange) under a deadline. */
 static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
 {
@@ -28,7 +21,7 @@ static int native_preamble(fmc_peer *p, int fd, int timeout_ms)
     secret = p->engine->secret;
     pthread_mutex_unlock(&p->engine->mu);
     uint32_t caps = 0;
-    uint32_t flags = FMC_PREAMBLE_READ_ACKS | (vectors_wanted() ? FMC_PREAMBLE_VECTORS : 0);
+    uint32_t flags = FMC_PREAMBLE_READ_ACKS | (p->engine->opts.vectors ? FMC_PREAMBLE_VECTORS : 0);
     int rc = fmc_auth_client(fd, &secret, flags, &caps);
     memset(&secret, 0, sizeof secret);
     if (rc == FMC_OK) {
@@ -75,7 +68,7 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
     int n = 0;
     for (; n < p->nstreams; n++) {
         int64_t left = deadline - fmc_now_ms();
-        int fd = left > 0 ? fmc_tcp_connect(p->host, p->data_port, (int)left) : FMC_ERR_TIMEOUT;
+        int fd = left > 0 ? fmc_tcp_connect_cc(p->host, p->data_port, (int)left, p->engine->opts.local_cc) : FMC_ERR_TIMEOUT;
         if (fd < 0) {
             if (fd == FMC_ERR_TIMEOUT)
                 fmc_set_error("connecting to %s:%d timed out", p->host, p->data_port);

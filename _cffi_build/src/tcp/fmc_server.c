@@ -103,7 +103,7 @@ static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *d
  * small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
 static int zc_claim(fmc_conn_state *cs, fmc_region *const *regs, int n, uint64_t bytes)
 {
-    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled())
+    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled(cs->e))
         return 0;
     fmc_zc_answer a = {.n = 0};
     int fresh = 0; /* holds this answer needs that do not exist yet */
@@ -417,7 +417,7 @@ static int handshake(fmc_conn_state *cs)
     secret = cs->e->secret;
     pthread_mutex_unlock(&cs->e->mu);
     uint32_t caps = (flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0;
-    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled())
+    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled(cs->e))
         caps |= FMC_CAP_ZC_READS;
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
     memcpy(reply, FMC_MAGIC_OK, 8);
@@ -449,11 +449,11 @@ static int handshake(fmc_conn_state *cs)
     return WIRE_NATIVE;
 }
 
-/* After answering a small request, poll briefly for the next one before sleeping
- * (FLAGCX_MC_SPIN_US): back-to-back small requests then find this thread awake. */
-static int spin_for_more(fmc_reader *rd, size_t need, uint64_t last_len)
+/* After answering a small request, poll briefly for the next one before sleeping (the
+ * engine's spin_us): back-to-back small requests then find this thread awake. */
+static int spin_for_more(const fmc_engine *e, fmc_reader *rd, size_t need, uint64_t last_len)
 {
-    int spin = fmc_spin_us_after(last_len);
+    int spin = fmc_spin_us_after(e, last_len);
     if (spin <= 0)
         return 0;
     int64_t until = fmc_now_us() + spin;
@@ -622,7 +622,7 @@ static void serve(fmc_conn_state *cs)
             if (more < 0)
                 break;
             if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
-                if (flush(cs) < 0 || spin_for_more(&cs->rd, FMC_REQ_SIZE, cs->last_len) < 0 ||
+                if (flush(cs) < 0 || spin_for_more(cs->e, &cs->rd, FMC_REQ_SIZE, cs->last_len) < 0 ||
                     fmc_reader_fill(&cs->rd, FMC_REQ_SIZE) < 0)
                     break;
             }
@@ -808,7 +808,7 @@ static void start_conn(fmc_engine *e, int fd)
         close(fd);
         return;
     }
-    fmc_tune_socket(fd);
+    fmc_tune_socket_cc(fd, e->opts.local_cc);
     c->fd = fd;
     cs->e = e;
     cs->c = c;

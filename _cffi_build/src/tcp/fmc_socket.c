@@ -47,21 +47,27 @@ static int link_is_local(int fd)
 /* A connection within this host never meets a network, so congestion control has nothing to
  * control; BBR (the default on many hosts, this VM's too) still paces every send with timers,
  * which cost 9-37 % of loopback throughput on 2 cores. Such connections use reno (always built
- * in, and allowed to unprivileged processes); FLAGCX_MC_LOCAL_CC names another, or "" keeps the
- * host's default. Connections to other hosts keep the host's choice. */
-static void use_local_congestion_control(int fd)
+ * in, and allowed to unprivileged processes) by default; an engine's local_cc option
+ * (FLAGCX_MC_LOCAL_CC) names another, or "" keeps the host's default. Connections to other hosts
+ * keep the host's choice. */
+static void use_local_congestion_control(int fd, const char *cc)
 {
-    const char *cc = getenv("FLAGCX_MC_LOCAL_CC");
-    if (cc == NULL)
-        cc = "reno";
     if (*cc && link_is_local(fd))
         setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc));
+}
+
+/* What an engine made with the environment's settings would use: for callers without an engine
+ * (the benchmark's raw socket). */
+static const char *env_local_cc(void)
+{
+    const char *cc = getenv("FLAGCX_MC_LOCAL_CC");
+    return cc ? cc : "reno";
 }
 
 /* TCP_NODELAY for small requests; keepalive and a user timeout so that a connection to a host
  * that vanished (no FIN, no RST: a cut cable, a crashed machine) ends within about 30 s instead of
  * holding its fd, thread and buffers forever; no pacing within this host. */
-void fmc_tune_socket(int fd)
+void fmc_tune_socket_cc(int fd, const char *local_cc)
 {
     int one = 1, idle = 15, interval = 5, count = 3;
     unsigned int user_timeout_ms = 30000;
@@ -71,8 +77,10 @@ void fmc_tune_socket(int fd)
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
-    use_local_congestion_control(fd);
+    use_local_congestion_control(fd, local_cc);
 }
+
+void fmc_tune_socket(int fd) { fmc_tune_socket_cc(fd, env_local_cc()); }
 
 /* A port in [lo, hi], or -1 (error set) without random bytes. */
 static int random_port(int lo, int hi)
@@ -137,7 +145,7 @@ int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out)
 }
 
 /* Connect with a bounded wait; returns a blocking socket or a negative code. */
-int fmc_tcp_connect(const char *host, int port, int timeout_ms)
+int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *local_cc)
 {
     struct addrinfo hints, *res = NULL;
     char service[16];
@@ -172,7 +180,7 @@ int fmc_tcp_connect(const char *host, int port, int timeout_ms)
         if (pr == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr == 0) {
             int flags = fcntl(fd, F_GETFL);
             fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-            fmc_tune_socket(fd);
+            fmc_tune_socket_cc(fd, local_cc);
             freeaddrinfo(res);
             return fd;
         }
@@ -182,4 +190,9 @@ int fmc_tcp_connect(const char *host, int port, int timeout_ms)
     freeaddrinfo(res);
     fmc_set_error("cannot connect to %s:%d: %s", host, port, strerror(err));
     return err == ETIMEDOUT ? FMC_ERR_TIMEOUT : FMC_ERR_SOCKET;
+}
+
+int fmc_tcp_connect(const char *host, int port, int timeout_ms)
+{
+    return fmc_tcp_connect_cc(host, port, timeout_ms, env_local_cc());
 }

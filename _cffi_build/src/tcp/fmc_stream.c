@@ -317,7 +317,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (rc == 0 && deadline_ms >= 0)
         rc = fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
     else if (rc == 0)
-        rc = nzc && fmc_zc_enabled() ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
+        rc = nzc && fmc_zc_enabled(st->peer->engine) ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
     pthread_mutex_lock(&st->mu);
     /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
      * set, so the pointers are still valid; the ones already answered are ours to finish. */
