@@ -16,8 +16,14 @@ def _package_version() -> str:
     return match.group(1) if match else "0.0.0"
 
 
-# set_source paths are relative to the project root, where setup.py runs.
-SOURCES = sorted(str(p.relative_to(ROOT)) for p in (HERE / "src").glob("fmc_*.c"))
+# set_source paths are relative to the project root, where setup.py runs.  Sources live in src/
+# (the benchmark's baseline) and in one directory per part: common/, engine/, tcp/, mooncake/,
+# samehost/, cuda/.
+SRC = HERE / "src"
+SOURCES = sorted(str(p.relative_to(ROOT)) for p in SRC.glob("**/fmc_*.c"))
+INCLUDE_DIRS = ["_cffi_build/src"] + sorted(
+    str(d.relative_to(ROOT)) for d in SRC.iterdir() if d.is_dir() and any(d.glob("fmc_*"))
+) + ["_cffi_build"]
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef((HERE / "core_cdefs.h").read_text())
@@ -25,7 +31,7 @@ ffibuilder.set_source(
     "flagcx_mc._fmc_cffi",
     '#include "fmc_core.h"',
     sources=SOURCES,
-    include_dirs=["_cffi_build/src", "_cffi_build"],
+    include_dirs=INCLUDE_DIRS,
     define_macros=[("FMC_VERSION", f'"{_package_version()}"')],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread", "-std=gnu11"],
     extra_link_args=["-pthread", "-ldl"],

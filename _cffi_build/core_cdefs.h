@@ -57,7 +57,19 @@ const char *fmc_last_error(void);
 int fmc_data_header_size(void);
 int fmc_cuda_usable(void);
 
-int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out);
+/* One engine's settings (flagcx_mc.config.EngineConfig fills them); fmc_options_default gives
+ * the core's defaults, which a NULL options pointer also means. */
+typedef struct {
+    char local_cc[16];   /* congestion control of connections within this host; "" keeps the host's */
+    int prefault;        /* registration faults host memory in, asking for huge pages */
+    int vectors;         /* offer vector requests to the targets this engine connects to */
+    int spin_us;         /* poll up to this long before sleeping, after small transfers (0..10000) */
+    int copy_threads;    /* threads that copy one large same-host call (0: online cores; at most 4) */
+    int zerocopy;        /* vmsplice + splice for large write payloads and read answers */
+} fmc_options;
+void fmc_options_default(fmc_options *opts);
+int fmc_engine_create(const char *bind_host, int port_min, int port_max, const fmc_options *opts,
+                      fmc_engine **out);
 int fmc_engine_data_port(fmc_engine *engine);
 void fmc_engine_destroy(fmc_engine *engine);
 void fmc_engine_accept_mooncake_wire(fmc_engine *engine, int accept);

@@ -7,11 +7,13 @@ Every call into ``lib`` releases the GIL (cffi does so for each call), so the bl
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from . import errors
 from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare
 
+if TYPE_CHECKING:
+    from .config import EngineConfig
 try:
     from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
 except ImportError as exc:  # a source tree without the compiled core
@@ -60,9 +62,24 @@ def _raise_for(rc: int, context: str = "") -> None:
 class CoreEngine:
     """One engine of the C core: its registry and its data listener."""
 
-    def __init__(self, bind_host: str, port_min: int = 0, port_max: int = 0) -> None:
+    def __init__(self, bind_host: str, port_min: int = 0, port_max: int = 0,
+                 config: Optional["EngineConfig"] = None) -> None:
+        """``config`` carries the core's per-engine settings; without one, the environment's
+        (``EngineConfig.from_env()``)."""
+        if config is None:
+            from .config import EngineConfig
+
+            config = EngineConfig.from_env()
+        opts = ffi.new("fmc_options *")
+        lib.fmc_options_default(opts)
+        opts.local_cc = config.local_cc.encode()
+        opts.prefault = int(bool(config.prefault))
+        opts.vectors = int(bool(config.vectors))
+        opts.spin_us = int(config.spin_us)
+        opts.copy_threads = int(config.copy_threads)
+        opts.zerocopy = int(bool(config.zerocopy))
         out = ffi.new("fmc_engine **")
-        rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, out)
+        rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, opts, out)
         _raise_for(rc, f"cannot start the data listener on {bind_host}")
         self._ptr = out[0]
 

@@ -36,6 +36,12 @@ def _env_number(name: str, kind=float) -> Optional[float]:
         return None
 
 
+def _env_clamped(name: str, low: int, high: int) -> Optional[int]:
+    """An integer variable brought into [low, high], as the core always read these."""
+    value = _env_number(name, int)
+    return None if value is None else min(high, max(low, value))
+
+
 def mooncake_transfer_timeout() -> float:
     """Seconds, as Mooncake derives it from MC_TRANSFER_TIMEOUT: max(5, value), default 30."""
     value = _env_number("MC_TRANSFER_TIMEOUT", int)
@@ -102,20 +108,17 @@ def handshake_max_length() -> int:
 
 
 def _env_flag(name: str) -> Optional[bool]:
+    """A switch: ``0`` (or anything starting with it), ``false``, ``no`` or ``off`` turns it off,
+    any other value on; ``None`` when unset or empty."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
     value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    log.warning("ignoring %s=%r: not a boolean (1/0, true/false, yes/no, on/off)", name, raw)
-    return None
+    return not (value.startswith("0") or value in ("false", "no", "off"))
 
 
 _CC_DIR = "/proc/sys/net/ipv4"
-LOCAL_CC_DEFAULT = "reno"  # what the core (fmc_util.c) uses within this host when the variable is unset
+LOCAL_CC_DEFAULT = "reno"  # what the core uses within this host when FLAGCX_MC_LOCAL_CC is unset
 
 
 def _kernel_tcp_setting(name: str) -> Optional[str]:
@@ -137,14 +140,15 @@ def local_congestion_control() -> Optional[str]:
     return os.environ.get("FLAGCX_MC_LOCAL_CC", LOCAL_CC_DEFAULT) or host_congestion_control()
 
 
-def check_local_congestion_control() -> Optional[str]:
-    """Why FLAGCX_MC_LOCAL_CC cannot take effect, or None.
+def check_local_congestion_control(name: Optional[str] = None) -> Optional[str]:
+    """Why FLAGCX_MC_LOCAL_CC (or the congestion control `name`) cannot take effect, or None.
 
     The core sets it on each connection within this host and ignores a refusal (the connection
     then keeps the host's default), so a misspelt or unavailable name is reported here, where it
     can be logged.
     """
-    name = os.environ.get("FLAGCX_MC_LOCAL_CC")
+    if name is None:
+        name = os.environ.get("FLAGCX_MC_LOCAL_CC")
     if not name:
         return None
     available = _kernel_tcp_setting("tcp_available_congestion_control")
@@ -190,6 +194,13 @@ class EngineConfig:
     handshake_max_length: int = DEFAULT_MAX_LENGTH  # largest handshake frame sent or accepted, bytes
     advertise_host: Optional[str] = None  # host peers reach us at with a metadata server (MC_TCP_BIND_ADDRESS)
     accept_mooncake_wire: bool = True    # serve initiators speaking Mooncake's TCP framing (no authentication)
+    # Settings of the C core, per engine (fmc_options):
+    local_cc: str = LOCAL_CC_DEFAULT     # congestion control within this host; "" keeps the host's default
+    prefault: bool = True                # fault registered host memory in, in huge pages
+    vectors: bool = True                 # send runs of small slices as vector requests where targets take them
+    spin_us: int = 30                    # poll this long (µs) before sleeping after small transfers; 0: never
+    copy_threads: int = 0                # threads copying one large same-host call; 0: online cores (at most 4)
+    zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
@@ -207,6 +218,12 @@ class EngineConfig:
             "transport": os.environ.get("FLAGCX_MC_TRANSPORT") or None,
             "advertise_host": os.environ.get("MC_TCP_BIND_ADDRESS", "").strip() or None,
             "accept_mooncake_wire": _env_flag("FLAGCX_MC_ACCEPT_MOONCAKE_WIRE"),
+            "local_cc": os.environ.get("FLAGCX_MC_LOCAL_CC"),  # "" is a value: the host's default
+            "prefault": _env_flag("FLAGCX_MC_PREFAULT"),
+            "vectors": _env_flag("FLAGCX_MC_VECTORS"),
+            "spin_us": _env_clamped("FLAGCX_MC_SPIN_US", 0, 10000),
+            "copy_threads": _env_clamped("FLAGCX_MC_COPY_THREADS", 1, 4),
+            "zerocopy": _env_flag("FLAGCX_MC_ZEROCOPY"),
         }
         values.update({k: v for k, v in own.items() if v is not None})
         env_secret = os.environ.get("FLAGCX_MC_SECRET")
@@ -223,7 +240,7 @@ class EngineConfig:
             raise InvalidArgumentError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
         config = cls(**values)
         config.validate()
-        problem = check_local_congestion_control()
+        problem = check_local_congestion_control(config.local_cc)
         if problem:
             log.warning("%s; connections within this host keep the host's default", problem)
         return config
@@ -239,6 +256,12 @@ class EngineConfig:
             raise InvalidArgumentError("wait_threads must be positive")
         if self.transport not in ("auto", "tcp", "same-host"):
             raise InvalidArgumentError("transport must be 'auto', 'tcp' or 'same-host'")
+        if not isinstance(self.local_cc, str) or len(self.local_cc.encode()) > 15:
+            raise InvalidArgumentError("local_cc must be a congestion control name of up to 15 bytes")
+        if not 0 <= self.spin_us <= 10000:
+            raise InvalidArgumentError("spin_us must be in 0..10000")
+        if not 0 <= self.copy_threads <= 4:
+            raise InvalidArgumentError("copy_threads must be in 0..4 (0: the online cores)")
         if self.secret is not None and not (isinstance(self.secret, bytes) and 1 <= len(self.secret) <= 256):
             raise InvalidArgumentError("secret must be 1 to 256 bytes")
         for name in ("rpc_port_range", "data_port_range"):

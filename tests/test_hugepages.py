@@ -110,13 +110,17 @@ def test_memory_that_cannot_be_collapsed_does_not_stop_the_rest(core, tmp_path):
 
 @pytest.mark.skipif(bool(_WHY), reason=_WHY or "")
 @pytest.mark.timeout(60)
-def test_prefault_off_leaves_the_pages_alone(core, monkeypatch):
-    monkeypatch.setenv("FLAGCX_MC_PREFAULT", "0")
-    with HostBuffer(16 * MiB) as buf:
-        core.register(buf.addr, buf.size)
-        time.sleep(0.5)
-        assert _huge_kib(buf.addr) == 0
-        core.unregister(buf.addr)
+def test_prefault_off_leaves_the_pages_alone(monkeypatch):
+    monkeypatch.setenv("FLAGCX_MC_PREFAULT", "0")  # read when the engine is made
+    core = CoreEngine("127.0.0.1")
+    try:
+        with HostBuffer(16 * MiB) as buf:
+            core.register(buf.addr, buf.size)
+            time.sleep(0.5)
+            assert _huge_kib(buf.addr) == 0
+            core.unregister(buf.addr)
+    finally:
+        core.close()
 
 
 @pytest.mark.timeout(60)

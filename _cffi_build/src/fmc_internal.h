@@ -1,4 +1,11 @@
-/* Structures shared by the core's modules.  Nothing here is seen by Python. */
+/* Structures shared by the core's modules.  Nothing here is seen by Python.
+ *
+ * Sources, one directory per part: common/ (errors, clocks, reader, send/receive helpers,
+ * registry, message log, SHA-256, huge pages), engine/ (lifecycle, registration, batches, peer
+ * tables), tcp/ (the native TCP transport: target server, initiator streams, connecting,
+ * sockets, zero-copy, authentication; its framing in tcp/fmc_wire.h), mooncake/ (Mooncake's TCP
+ * framing, both sides), samehost/ (process_vm_writev/readv and the control block), cuda/
+ * (libcuda). */
 #ifndef FMC_INTERNAL_H
 #define FMC_INTERNAL_H
 
@@ -16,17 +23,21 @@
 #define FMC_RBUF_SIZE (256u << 10)    /* buffered reader size (headers and small payloads) */
 #define FMC_MAX_STREAMS 64
 
-/* ---------------------------------------------------------------- util (fmc_util.c) */
+/* ------------------------------------------------------------------------ common/fmc_util.c */
 void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
-int fmc_spin_us(void);
+int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (engine/fmc_batch.c) */
 /* Transfers up to this size are "small": worth polling for, and (on one idle stream) sent by
  * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
-int fmc_spin_us_after(uint64_t bytes); /* fmc_spin_us(), or 0 after a transfer that is not small */
+/* fmc_spin_us, or 0 after a transfer that is not small. */
+int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes);
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
 void fmc_cond_init_monotonic(pthread_cond_t *cv);
+/* n bytes from the kernel's generator (common/fmc_random.c); -1 with the error set if it fails:
+ * callers fail too, never going on with predictable or uninitialised bytes. */
+int fmc_random_bytes(void *p, size_t n);
 
 /* Buffered reader over a blocking socket: headers and small payloads come from one recv. */
 typedef struct {
@@ -68,19 +79,29 @@ int fmc_recv_all(int fd, void *buf, size_t len);
  * even while bytes that arrived before the reset are still readable. */
 int fmc_socket_reset(int fd);
 
-/* Zero-copy sends (fmc_splice.c): iovecs flagged in zc[] go through vmsplice + splice (the
+/* ------------------------------------------------------------------------- tcp/fmc_splice.c */
+/* Zero-copy sends: iovecs flagged in zc[] go through vmsplice + splice (the
  * pipe is opened on first use, closed with fmc_zc_pipe_close), the rest through sendmsg.  Only
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
-int fmc_zc_enabled(void);
+int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
+int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
 int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);
 void fmc_zc_pipe_close(int pipefd[2]);
+
+/* ------------------------------------------------------------------------- tcp/fmc_socket.c */
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
 int fmc_tcp_connect(const char *host, int port, int timeout_ms);
+/* Options of every data connection; local_cc: congestion control if the peer is on this host
+ * ("" leaves the host's).  fmc_tune_socket and fmc_tcp_connect, for the benchmark's raw socket
+ * (no engine), take it from FLAGCX_MC_LOCAL_CC as engines do by default. */
+void fmc_tune_socket_cc(int fd, const char *local_cc);
 void fmc_tune_socket(int fd);
+int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *local_cc);
+void fmc_set_recv_timeout(int fd, int seconds); /* 0: none */
 
-/* ---------------------------------------------------------------- authentication (fmc_auth.c) */
+/* ------------------------------------- authentication (tcp/fmc_auth.c, common/fmc_sha256.c) */
 #define FMC_SECRET_MAX 256
 typedef struct {
     uint8_t key[FMC_SECRET_MAX];
@@ -94,7 +115,7 @@ int fmc_equal_ct(const uint8_t *a, const uint8_t *b, size_t n);
 int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce, uint32_t caps);
 int fmc_auth_client(int fd, const fmc_secret *s, uint32_t flags, uint32_t *caps);
 
-/* ---------------------------------------------------------------- GPU memory (fmc_cuda.c) */
+/* ------------------------------------------------------------- GPU memory (cuda/fmc_cuda.c) */
 #define FMC_CUDA_IPC_HANDLE_SIZE 64
 int fmc_cuda_ipc_export(uint64_t addr, uint8_t *handle, uint64_t *alloc_base, int *device);
 int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped);
@@ -129,7 +150,7 @@ typedef struct {
 int fmc_staging_reserve(fmc_staging *s, size_t len);
 void fmc_staging_release(fmc_staging *s);
 
-/* ---------------------------------------------------------------- same host (fmc_samehost.c) */
+/* ------------------------------------------------------ same host (samehost/fmc_samehost.c) */
 #define FMC_SH_MAX_SLOTS 4096
 #define FMC_SH_MAX_INITIATORS 256
 #define FMC_SH_WORDS_PER_PEER 4   /* concurrent same-host copies to one peer */
@@ -140,7 +161,7 @@ typedef struct {
     _Atomic int busy_pid[FMC_SH_MAX_INITIATORS];   /* owner of each busy word */
 } fmc_sh_ctrl;
 
-/* ---------------------------------------------------------------- registry (fmc_registry.c) */
+/* --------------------------------------------------------- registry (common/fmc_registry.c) */
 typedef struct fmc_region {
     uint64_t addr, len;
     uint32_t key;
@@ -188,7 +209,7 @@ int fmc_check_mapped(uint64_t addr, uint64_t len);
 /* 1 if every page of [addr, addr+len) is mapped writable (per /proc/self/maps), else 0. */
 int fmc_range_writable(uint64_t addr, uint64_t len);
 
-/* ---------------------------------------------------------------- server (fmc_server.c) */
+/* ----------------------------------------------------------- target side (tcp/fmc_server.c) */
 typedef struct fmc_server_conn {
     int fd;
     int64_t last_active_ms;  /* last request (or the accept); read by the accept thread */
@@ -202,7 +223,7 @@ typedef struct fmc_server_conn {
 /* Shut a data connection down from outside its thread (caller holds engine->mu). */
 void fmc_server_conn_cut_locked(fmc_server_conn *c);
 
-/* ---------------------------------------------------------------- engine (fmc_engine.c) */
+/* ------------------------------------------------------------- engine (engine/fmc_engine.c) */
 #define FMC_LOG_CAP 8192
 
 struct fmc_engine {
@@ -224,16 +245,17 @@ struct fmc_engine {
     atomic_uint_fast64_t stat_requests, stat_vectors, stat_zc_answers, stat_zc_resets;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
+    fmc_options opts;         /* set at creation, never changed */
     pthread_mutex_t log_mu;
     char log[FMC_LOG_CAP];
     int log_len;
     struct fmc_collapser *collapser; /* huge-page collapsing thread (fmc_hugepages.c), guarded by mu */
 };
 
-/* Registered host memory in huge pages (fmc_hugepages.c): prepare = ask and fault in, now;
+/* Registered host memory in huge pages (common/fmc_hugepages.c): prepare = ask and fault in, now;
  * collapse_later = turn pages already touched into huge pages, in the background; stop = end the
  * engine's background thread (engine destroy). */
-void fmc_hugepages_prepare(uint64_t addr, uint64_t len);
+void fmc_hugepages_prepare(const fmc_engine *e, uint64_t addr, uint64_t len);
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key);
 void fmc_hugepages_stop(fmc_engine *e);
 /* Pin the region registered at addr under that key (NULL if none): unregister waits for the pin
@@ -241,6 +263,7 @@ void fmc_hugepages_stop(fmc_engine *e);
 fmc_region *fmc_region_pin(fmc_engine *e, uint64_t addr, uint32_t key);
 void fmc_region_unpin(fmc_engine *e, fmc_region *r);
 
+/* A line for the engine's message log (common/fmc_log.c). */
 void fmc_engine_log(fmc_engine *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void *fmc_server_accept_main(void *arg);
 /* 1 if every range lies in one registered region (writable if asked), with cuda_dev[i] its GPU
@@ -248,7 +271,7 @@ void *fmc_server_accept_main(void *arg);
 int fmc_local_ranges_ok(fmc_engine *e, int n, const uint64_t *addr, const uint64_t *len, int need_write,
                         int32_t *cuda_dev, int *bad_index);
 
-/* ---------------------------------------------------------------- batches and peers */
+/* -------------- batches and peers (engine/), streams (tcp/fmc_stream.c, fmc_peer_connect.c) */
 typedef struct fmc_slice {
     struct fmc_batch *batch;
     struct fmc_slice *next;

@@ -86,7 +86,7 @@ class EngineState:
         low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
             store = open_store(kind, url, timeout=self.config.handshake_timeout) if kind != "p2p" else None
-            self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high)
+            self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high, self.config)
             secret = self.config.secret
             if secret is not None:
                 self._core.set_secret(secret)

@@ -1,11 +1,10 @@
-/* Engine lifecycle, the registry's public calls, statistics and the engine's message log. */
+/* Engine lifecycle, the registry's public calls and statistics. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -20,40 +19,19 @@
 const char *fmc_version(void) { return FMC_VERSION; }
 int fmc_data_header_size(void) { return FMC_REQ_SIZE; }
 
-void fmc_engine_log(fmc_engine *e, const char *fmt, ...)
+void fmc_options_default(fmc_options *o)
 {
-    char line[300];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
-    va_end(ap);
-    if (n < 0)
-        return;
-    if (n > (int)sizeof line - 2)
-        n = (int)sizeof line - 2;
-    line[n++] = '\n';
-    pthread_mutex_lock(&e->log_mu);
-    if (e->log_len + n <= FMC_LOG_CAP) { /* full: drop, the counters still tell */
-        memcpy(e->log + e->log_len, line, (size_t)n);
-        e->log_len += n;
-    }
-    pthread_mutex_unlock(&e->log_mu);
+    memset(o, 0, sizeof *o);
+    strcpy(o->local_cc, "reno");
+    o->prefault = 1;
+    o->vectors = 1;
+    o->spin_us = 30;
+    o->copy_threads = 0;
+    o->zerocopy = 1;
 }
 
-int fmc_engine_drain_log(fmc_engine *e, char *buf, int cap)
-{
-    if (!buf || cap <= 0) /* a negative cap would become a huge memcpy length */
-        return 0;
-    pthread_mutex_lock(&e->log_mu);
-    int n = e->log_len < cap ? e->log_len : cap;
-    memcpy(buf, e->log, (size_t)n);
-    memmove(e->log, e->log + n, (size_t)(e->log_len - n));
-    e->log_len -= n;
-    pthread_mutex_unlock(&e->log_mu);
-    return n;
-}
-
-int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_engine **out)
+int fmc_engine_create(const char *bind_host, int port_min, int port_max, const fmc_options *opts,
+                      fmc_engine **out)
 {
     *out = NULL;
     if (port_min < 0 || port_max > 65535 || port_min > port_max) {
@@ -69,6 +47,18 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, fmc_eng
     e->wake_pipe[0] = e->wake_pipe[1] = -1;
     e->accept_mooncake_wire = 1;
     e->sh_fd = -1;
+    if (opts)
+        e->opts = *opts;
+    else
+        fmc_options_default(&e->opts);
+    e->opts.local_cc[sizeof e->opts.local_cc - 1] = '\0';
+    e->opts.spin_us = e->opts.spin_us < 0 ? 0 : e->opts.spin_us > 10000 ? 10000 : e->opts.spin_us;
+    if (e->opts.copy_threads <= 0) { /* the online cores */
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        e->opts.copy_threads = (int)(cores > 0 ? cores : 1);
+    }
+    if (e->opts.copy_threads > FMC_SH_WORDS_PER_PEER)
+        e->opts.copy_threads = FMC_SH_WORDS_PER_PEER;
     fmc_sh_engine_init(e); /* optional: without it peers use TCP */
     int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);
     if (fd < 0) {
@@ -167,14 +157,16 @@ void fmc_engine_get_stats(fmc_engine *e, fmc_stats *s)
 
 /* ------------------------------------------------------------------ registry API */
 
-static uint32_t random_key(void)
+/* A region's key, never 0.  Keys are what stops a peer from reaching a region by a guessed
+ * address, so they come from the kernel's generator or not at all. */
+static int random_key(uint32_t *key)
 {
     uint32_t k = 0;
-    while (k == 0) {
-        if (getrandom(&k, sizeof k, 0) != (ssize_t)sizeof k)
-            k = (uint32_t)rand() ^ (uint32_t)fmc_now_ms();
-    }
-    return k;
+    while (k == 0)
+        if (fmc_random_bytes(&k, sizeof k) < 0)
+            return -1;
+    *key = k;
+    return 0;
 }
 
 int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
@@ -198,10 +190,12 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         else if (rc != FMC_OK)
             return rc;
     }
+    uint32_t key;
+    if (random_key(&key) < 0)
+        return FMC_ERR_NOT_IMPLEMENTED;
     int host = dev < 0 && writable;
     if (host)
-        fmc_hugepages_prepare(addr, len); /* huge pages, faulted in: first-touch writes are slow */
-    uint32_t key = random_key();
+        fmc_hugepages_prepare(e, addr, len); /* huge pages, faulted in: first-touch writes are slow */
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     if (rc == FMC_OK) {

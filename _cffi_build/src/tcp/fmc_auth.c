@@ -11,22 +11,10 @@
  * model). */
 #define _GNU_SOURCE
 #include <string.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 
 #include "fmc_internal.h"
 #include "fmc_wire.h"
-
-static void random_bytes(uint8_t *p, size_t n)
-{
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = getrandom(p + got, n - got, 0);
-        if (r <= 0)
-            break;
-        got += (size_t)r;
-    }
-}
 
 static void proof(const fmc_secret *s, char who, const uint8_t a[FMC_NONCE_SIZE], const uint8_t b[FMC_NONCE_SIZE],
                   uint8_t out[32])
@@ -50,7 +38,8 @@ int fmc_auth_server(int fd, const fmc_secret *s, const uint8_t *client_nonce, ui
 {
     uint8_t reply[FMC_PREAMBLE_SIZE + FMC_NONCE_SIZE + 32];
     uint8_t server_nonce[FMC_NONCE_SIZE], expected[32], got[32];
-    random_bytes(server_nonce, sizeof server_nonce);
+    if (fmc_random_bytes(server_nonce, sizeof server_nonce) < 0)
+        return FMC_ERR_NOT_IMPLEMENTED; /* no fresh nonce, no proof: the caller drops the connection */
     preamble_reply(reply, FMC_PREAMBLE_CHALLENGE, 0);
     memcpy(reply + FMC_PREAMBLE_SIZE, server_nonce, FMC_NONCE_SIZE);
     proof(s, 'S', client_nonce, server_nonce, reply + FMC_PREAMBLE_SIZE + FMC_NONCE_SIZE);
@@ -73,7 +62,8 @@ int fmc_auth_client(int fd, const fmc_secret *s, uint32_t flags, uint32_t *caps)
     fmc_put32(hello + 8, FMC_WIRE_VERSION);
     fmc_put32(hello + 12, flags | (s->len ? FMC_PREAMBLE_AUTH : 0));
     *caps = 0;
-    random_bytes(client_nonce, sizeof client_nonce);
+    if (fmc_random_bytes(client_nonce, sizeof client_nonce) < 0)
+        return FMC_ERR_NOT_IMPLEMENTED; /* nothing sent yet */
     memcpy(hello + FMC_PREAMBLE_SIZE, client_nonce, FMC_NONCE_SIZE);
     size_t hello_len = s->len ? sizeof hello : FMC_PREAMBLE_SIZE;
     if (fmc_send_all(fd, hello, hello_len) < 0 || fmc_recv_all(fd, reply, sizeof reply) < 0)

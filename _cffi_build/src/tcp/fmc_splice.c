@@ -16,7 +16,7 @@
  *
  * Where the kernel refuses (no vmsplice in a sandbox, a socket type splice cannot feed), the
  * first failure turns the feature off for the process and the bytes go out with sendmsg.
- * FLAGCX_MC_ZEROCOPY=0 turns it off from the start. */
+ * An engine's zerocopy option (FLAGCX_MC_ZEROCOPY=0) turns it off for that engine. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -30,18 +30,11 @@
 
 #define ZC_PIPE_BYTES (1 << 20) /* the most a pipe takes unprivileged (fs.pipe-max-size) */
 
-static int zc_state; /* 0 unknown, 1 usable, -1 off */
+static int zc_state; /* 0: usable so far; -1: the kernel refused, off for the process */
 
-int fmc_zc_enabled(void)
-{
-    int s = __atomic_load_n(&zc_state, __ATOMIC_RELAXED);
-    if (s == 0) {
-        const char *env = getenv("FLAGCX_MC_ZEROCOPY");
-        s = env && env[0] == '0' ? -1 : 1;
-        __atomic_store_n(&zc_state, s, __ATOMIC_RELAXED);
-    }
-    return s > 0;
-}
+int fmc_zc_usable(void) { return __atomic_load_n(&zc_state, __ATOMIC_RELAXED) >= 0; }
+
+int fmc_zc_enabled(const fmc_engine *e) { return e->opts.zerocopy && fmc_zc_usable(); }
 
 static void zc_turn_off(void) { __atomic_store_n(&zc_state, -1, __ATOMIC_RELAXED); }
 
@@ -137,7 +130,7 @@ int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int p
         int k = j;
         while (k < iovcnt && zc[k])
             k++;
-        if (j < k && !(fmc_zc_enabled() && pipe_ready(pipefd)))
+        if (j < k && !(fmc_zc_usable() && pipe_ready(pipefd)))
             j = k; /* refused: the run joins the plain one */
         if (j > i && fmc_sendv_flags(fd, iov + i, j - i, j < iovcnt ? MSG_MORE : 0) < 0)
             return -1;

@@ -12,74 +12,12 @@
 #include <unistd.h>
 
 #include "fmc_internal.h"
+#include "fmc_mooncake.h"
+#include "fmc_tcp_conn.h"
 #include "fmc_wire.h"
 
 #define FMC_MAX_SERVER_CONNS 4096
-#define FMC_FLUSH_BYTES (4u << 20)
 #define FMC_PREAMBLE_TIMEOUT_MS 5000
-
-#define FMC_GPU_RUN_BYTES (2u << 20) /* a run of contiguous GPU writes is copied as one, up to this */
-#define FMC_GPU_RUN_MAX 64           /* and up to this many writes */
-
-typedef struct {
-    int n; /* writes in the run; 0: none */
-    int in_stage2, dev;
-    uint64_t addr, len; /* the destination range so far */
-    uint64_t ids[FMC_GPU_RUN_MAX];
-    fmc_region *region; /* pinned by the run's first write, which covers the others */
-} gpu_run;
-
-/* Zero-copy read answers (fmc_wire.h): the initiator copies their bytes out of our pages only
- * when it reads its socket, so each such answer keeps its regions pinned until acknowledged.
- * A connection holds one pin per region (`zc_hold`) for all its unacknowledged answers, so the
- * ledger costs no lock per answer and few of the connection's FMC_MAX_PINS. */
-#define ZC_LEDGER 256 /* unacknowledged zero-copy answers per connection; beyond, answers are copied */
-#define ZC_HOLDS 8    /* regions they may hold pinned */
-#define ZC_REGIONS 4  /* regions one zero-copy answer may span (more: copied) */
-
-typedef struct {
-    fmc_region *r;    /* NULL: free */
-    uint32_t answers; /* unacknowledged answers that use it */
-} zc_hold;
-
-typedef struct {
-    uint8_t hold[ZC_REGIONS];
-    uint8_t n;
-} zc_answer;
-
-typedef struct {
-    fmc_engine *e;
-    fmc_server_conn *c;
-    fmc_reader rd;
-    struct iovec iov[FMC_IOV_MAX];
-    uint8_t zc[FMC_IOV_MAX]; /* iov[i] is a zero-copy payload; cleared once sent */
-    int nzc;                 /* how many are set */
-    int zc_reads;            /* the initiator acknowledges zero-copy answers, and splice works */
-    int zc_pipe[2];
-    zc_hold holds[ZC_HOLDS];
-    zc_answer ledger[ZC_LEDGER]; /* ring, oldest at ledger_head */
-    uint32_t ledger_head, ledger_count;
-    uint8_t hdr[FMC_IOV_MAX][FMC_RESP_SIZE];
-    int niov, nhdr;
-    size_t out_bytes;
-    fmc_region *read_pins[FMC_IOV_MAX];
-    int nread_pins;
-    fmc_region *held; /* pinned until a flush finds it unused; see pin() */
-    int held_uses;
-    int vectors;                       /* the initiator may send vectors (fmc_wire.h) */
-    int32_t vec_status[FMC_VEC_MAX];   /* a vector answer's entry statuses, until its flush */
-    uint8_t *sink;                     /* refused vector entries are received here */
-    uint64_t requests, vectors_answered, zc_answered; /* answered since the last flush */
-    uint64_t last_len; /* bytes the last request moved: polling for the next pays only after small ones */
-    uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
-                                       (one shared atomic add per request made the streams contend) */
-    fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
-    fmc_staging stage2;
-    /* Writes into GPU memory: `gpu_open` collects consecutive writes whose destinations follow
-     * each other into one staging buffer; `gpu_flying` is the run whose host-to-device copy is
-     * running while the next one is received.  Answered (and unpinned) once its copy landed. */
-    gpu_run gpu_open, gpu_flying;
-} conn_state;
 
 /* Regions are pinned (refs, under the engine lock) while a request touches them; unregister waits
  * for refs to drop.  Taking the lock twice per request made four streams of 4 KiB writes queue on
@@ -98,7 +36,7 @@ static int region_accepts(const fmc_region *r, const uint32_t *key, int for_writ
 /* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing), or
  * return NULL.  A write also needs a region that was mapped writable when registered (else the
  * memcpy into it would crash us). */
-static fmc_region *pin(conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
+static fmc_region *pin(fmc_conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
 {
     fmc_region *h = cs->held;
     if (h && fmc_region_holds(h, addr, len) && region_accepts(h, key, for_write) &&
@@ -136,7 +74,7 @@ static void unpin_locked(fmc_engine *e, fmc_server_conn *c, fmc_region *r)
 }
 
 /* Release one use of r; a use of the held region only lowers the count. */
-static void unpin(conn_state *cs, fmc_region *r)
+static void unpin(fmc_conn_state *cs, fmc_region *r)
 {
     if (r == cs->held && cs->held_uses > 0) {
         cs->held_uses--;
@@ -148,7 +86,7 @@ static void unpin(conn_state *cs, fmc_region *r)
 }
 
 /* Drop the held region's pin once nothing uses it; called at every flush. */
-static void release_held(conn_state *cs)
+static void release_held(fmc_conn_state *cs)
 {
     if (!cs->held || cs->held_uses > 0)
         return;
@@ -158,16 +96,16 @@ static void release_held(conn_state *cs)
     pthread_mutex_unlock(&cs->e->mu);
 }
 
-static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
+static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 
 /* Take a read answer of `bytes` from host regions `regs` (NULLs skipped) into the zero-copy
  * ledger; 0 (copy it instead) when the connection does not do zero-copy answers, the answer is
  * small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
-static int zc_claim(conn_state *cs, fmc_region *const *regs, int n, uint64_t bytes)
+static int zc_claim(fmc_conn_state *cs, fmc_region *const *regs, int n, uint64_t bytes)
 {
-    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled())
+    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled(cs->e))
         return 0;
-    zc_answer a = {.n = 0};
+    fmc_zc_answer a = {.n = 0};
     int fresh = 0; /* holds this answer needs that do not exist yet */
     fmc_region *want[ZC_REGIONS];
     for (int i = 0; i < n; i++) {
@@ -216,17 +154,17 @@ static int zc_claim(conn_state *cs, fmc_region *const *regs, int n, uint64_t byt
 
 /* The initiator consumed its `n` oldest zero-copy answers: release what they held.  -1 when it
  * acknowledges more than it was sent (a protocol error). */
-static int zc_acknowledge(conn_state *cs, uint64_t n)
+static int zc_acknowledge(fmc_conn_state *cs, uint64_t n)
 {
     if (n == 0 || n > cs->ledger_count)
         return -1;
     int locked = 0;
     for (; n; n--) {
-        zc_answer *a = &cs->ledger[cs->ledger_head];
+        fmc_zc_answer *a = &cs->ledger[cs->ledger_head];
         cs->ledger_head = (cs->ledger_head + 1) % ZC_LEDGER;
         cs->ledger_count--;
         for (int j = 0; j < a->n; j++) {
-            zc_hold *h = &cs->holds[a->hold[j]];
+            fmc_zc_hold *h = &cs->holds[a->hold[j]];
             if (--h->answers)
                 continue;
             if (!locked++)
@@ -242,7 +180,7 @@ static int zc_acknowledge(conn_state *cs, uint64_t n)
 }
 
 /* Queue payload iovecs of an answer, flagged for zero-copy when the answer is. */
-static void push_payload(conn_state *cs, void *data, uint64_t len, int zc)
+static void push_payload(fmc_conn_state *cs, void *data, uint64_t len, int zc)
 {
     cs->zc[cs->niov] = (uint8_t)zc;
     cs->nzc += zc;
@@ -254,13 +192,13 @@ static void push_payload(conn_state *cs, void *data, uint64_t len, int zc)
  * bytes are read out of the initiator's pages only now.  An initiator that reset the connection
  * has failed that call and may be reusing those pages, so such a payload must not land: one
  * poll() says whether the connection was reset (bytes queued before the reset stay readable). */
-static int initiator_gave_up(conn_state *cs, uint64_t payload_len)
+static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
 {
     return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
 /* The queued answers, zero-copy payloads through the connection's pipe. */
-static int send_answers(conn_state *cs)
+static int send_answers(fmc_conn_state *cs)
 {
     if (!cs->niov)
         return 0;
@@ -273,7 +211,7 @@ static int send_answers(conn_state *cs)
 }
 
 /* Send what is queued now (pins stay until the flush): room for a run's answers. */
-static int send_queued(conn_state *cs)
+static int send_queued(fmc_conn_state *cs)
 {
     int rc = send_answers(cs);
     cs->niov = cs->nhdr = 0;
@@ -282,9 +220,9 @@ static int send_queued(conn_state *cs)
 }
 
 /* Answer the writes of the run in flight once its copy has landed. */
-static void land_flying(conn_state *cs)
+static void land_flying(fmc_conn_state *cs)
 {
-    gpu_run *f = &cs->gpu_flying;
+    fmc_gpu_run *f = &cs->gpu_flying;
     if (!f->n)
         return;
     int rc = fmc_cuda_wait(f->dev);
@@ -300,9 +238,9 @@ static void land_flying(conn_state *cs)
 }
 
 /* Land the run in flight, then start the open run's copy: it becomes the one in flight. */
-static void launch_open(conn_state *cs)
+static void launch_open(fmc_conn_state *cs)
 {
-    gpu_run *o = &cs->gpu_open;
+    fmc_gpu_run *o = &cs->gpu_open;
     if (!o->n)
         return;
     land_flying(cs);
@@ -320,7 +258,7 @@ static void launch_open(conn_state *cs)
 
 /* Every GPU write received so far landed and answered: answers keep request order, so this runs
  * before any other answer is queued, and before a flush. */
-static void finish_gpu_writes(conn_state *cs)
+static void finish_gpu_writes(fmc_conn_state *cs)
 {
     launch_open(cs);
     land_flying(cs);
@@ -330,9 +268,9 @@ static void finish_gpu_writes(conn_state *cs)
  * paged KV layout often does), so that one copy serves many writes; otherwise the open run's
  * copy starts and this write opens the next run in the other staging buffer, received while
  * that copy runs.  Returns -1 on a broken connection. */
-static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len)
+static int receive_into_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len)
 {
-    gpu_run *o = &cs->gpu_open;
+    fmc_gpu_run *o = &cs->gpu_open;
     fmc_staging *st = o->in_stage2 ? &cs->stage2 : &cs->stage;
     if (o->n && r == o->region && addr == o->addr + o->len && o->n < FMC_GPU_RUN_MAX && o->len + len <= st->cap) {
         int rc = fmc_reader_read_into(&cs->rd, st->buf + o->len, (size_t)len);
@@ -351,12 +289,12 @@ static int receive_into_gpu(conn_state *cs, fmc_region *r, uint64_t id, uint64_t
         unpin(cs, r);
         return -1;
     }
-    *o = (gpu_run){.n = 1, .in_stage2 = use2, .dev = r->cuda_dev, .addr = addr, .len = len, .region = r};
+    *o = (fmc_gpu_run){.n = 1, .in_stage2 = use2, .dev = r->cuda_dev, .addr = addr, .len = len, .region = r};
     o->ids[0] = id;
     return 0;
 }
 
-static int flush(conn_state *cs)
+static int flush(fmc_conn_state *cs)
 {
     finish_gpu_writes(cs);
     /* Counted before the answers leave, so an initiator that has its answer sees the counters
@@ -378,14 +316,25 @@ static int flush(conn_state *cs)
     return rc;
 }
 
-static void queue_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
+/* pin, unpin and flush for Mooncake's framing (fmc_mooncake.c); the native loop calls the
+ * static versions, which the compiler may inline. */
+fmc_region *fmc_conn_pin(fmc_conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
+{
+    return pin(cs, addr, len, key, for_write);
+}
+
+void fmc_conn_unpin(fmc_conn_state *cs, fmc_region *r) { unpin(cs, r); }
+
+int fmc_conn_flush(fmc_conn_state *cs) { return flush(cs); }
+
+static void queue_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
     finish_gpu_writes(cs); /* earlier GPU writes answer first */
     push_answer(cs, id, status, data, len);
 }
 
 /* Queue one answer header (native framing) announcing `len` bytes to follow. */
-static void push_header(conn_state *cs, uint64_t id, int32_t status, uint64_t len, uint32_t flags)
+static void push_header(fmc_conn_state *cs, uint64_t id, int32_t status, uint64_t len, uint32_t flags)
 {
     cs->requests++;
     fmc_resp resp = {.id = id, .status = status, .flags = flags, .len = len};
@@ -395,7 +344,7 @@ static void push_header(conn_state *cs, uint64_t id, int32_t status, uint64_t le
     cs->out_bytes += FMC_RESP_SIZE;
 }
 
-static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
+static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
     push_header(cs, id, status, data ? len : 0, 0);
     if (data)
@@ -403,7 +352,7 @@ static void push_answer(conn_state *cs, uint64_t id, int32_t status, void *data,
 }
 
 /* A successful read from host region r, zero-copy when the ledger takes it. */
-static void queue_read_answer(conn_state *cs, uint64_t id, fmc_region *r, uint64_t addr, uint64_t len)
+static void queue_read_answer(fmc_conn_state *cs, uint64_t id, fmc_region *r, uint64_t addr, uint64_t len)
 {
     finish_gpu_writes(cs);
     cs->read_pins[cs->nread_pins++] = r;
@@ -412,33 +361,21 @@ static void queue_read_answer(conn_state *cs, uint64_t id, fmc_region *r, uint64
     push_payload(cs, (void *)(uintptr_t)addr, len, zc);
 }
 
-#define REQ_FLAG_MOONCAKE 0x80 /* local marker: the request came in Mooncake's framing */
-
-static void refuse(conn_state *cs, const fmc_req *q)
+static void refuse(fmc_conn_state *cs, const fmc_req *q)
 {
     cs->e->stat_refused++;
     const char *what = q->opcode == FMC_WIRE_OP_WRITE ? "write" : "read";
     const char *ro = q->opcode == FMC_WIRE_OP_WRITE ? " (or the region is read-only)" : "";
-    if (q->flags & REQ_FLAG_MOONCAKE)
-        fmc_engine_log(cs->e, "refused Mooncake-framed %s of %llu bytes at 0x%llx: not inside a registered region%s",
-                       what, (unsigned long long)q->len, (unsigned long long)q->addr, ro);
-    else
-        fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key%s",
-                       what, (unsigned long long)q->len, (unsigned long long)q->addr, q->key, ro);
+    fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key%s",
+                   what, (unsigned long long)q->len, (unsigned long long)q->addr, q->key, ro);
 }
 
 enum { WIRE_NATIVE = 0, WIRE_MOONCAKE = 1 };
 
-static void set_recv_timeout(int fd, int seconds)
-{
-    struct timeval tv = {.tv_sec = seconds};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-}
-
 /* An initiator that sends vectors gets small reads: a vector's payloads then stay in the socket
  * until their destinations are known, and go there with one recvmsg. */
 #define FMC_VEC_READ_AHEAD (8u << 10)
-static void use_vectors(conn_state *cs, uint32_t caps)
+static void use_vectors(fmc_conn_state *cs, uint32_t caps)
 {
     cs->zc_reads = (caps & FMC_CAP_ZC_READS) != 0;
     cs->vectors = (caps & FMC_CAP_VECTORS) != 0;
@@ -448,9 +385,9 @@ static void use_vectors(conn_state *cs, uint32_t caps)
 
 /* The first 8 bytes tell the framing: our preamble's magic, or (anything else) the `size` field
  * of a Mooncake header.  Returns WIRE_NATIVE / WIRE_MOONCAKE, or -1 to drop the connection. */
-static int handshake(conn_state *cs)
+static int handshake(fmc_conn_state *cs)
 {
-    set_recv_timeout(cs->c->fd, FMC_PREAMBLE_TIMEOUT_MS / 1000);
+    fmc_set_recv_timeout(cs->c->fd, FMC_PREAMBLE_TIMEOUT_MS / 1000);
     if (fmc_reader_fill(&cs->rd, 8) < 0)
         return -1;
     if (memcmp(cs->rd.buf + cs->rd.start, FMC_MAGIC_HELLO, 8) != 0) {
@@ -459,14 +396,7 @@ static int handshake(conn_state *cs)
         pthread_mutex_unlock(&cs->e->mu);
         if (mooncake)
             return WIRE_MOONCAKE; /* keeps the receive timeout until a whole header arrived */
-        /* Mooncake's framing is off here: a v2 Mooncake initiator gets a rejection it acts on at
-         * once (it would otherwise sit out its own status timeout), anything else a close. */
-        if (fmc_reader_fill(&cs->rd, FMC_MC_HDR_SIZE) == 0 && (cs->rd.buf[cs->rd.start + 16] & FMC_MC_V2_FLAG)) {
-            uint8_t status[FMC_MC_STATUS_SIZE];
-            fmc_put64(status, FMC_MC_STATUS_REJECTED);
-            fmc_send_all(cs->c->fd, status, sizeof status);
-            fmc_engine_log(cs->e, "refused a Mooncake-framed data connection: that framing is turned off");
-        }
+        fmc_mc_refuse_connection(cs);
         return -1;
     }
     if (fmc_reader_fill(&cs->rd, FMC_PREAMBLE_SIZE) < 0)
@@ -487,7 +417,7 @@ static int handshake(conn_state *cs)
     secret = cs->e->secret;
     pthread_mutex_unlock(&cs->e->mu);
     uint32_t caps = (flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0;
-    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled())
+    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled(cs->e))
         caps |= FMC_CAP_ZC_READS;
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
     memcpy(reply, FMC_MAGIC_OK, 8);
@@ -501,10 +431,12 @@ static int handshake(conn_state *cs)
                 fmc_send_all(cs->c->fd, reply, sizeof reply);
             }
             fmc_engine_log(cs->e, "refused a data connection: %s",
-                           flags & FMC_PREAMBLE_AUTH ? "wrong shared secret" : "no shared secret offered");
+                           rc == FMC_ERR_NOT_IMPLEMENTED ? fmc_last_error()
+                           : flags & FMC_PREAMBLE_AUTH  ? "wrong shared secret"
+                                                        : "no shared secret offered");
             return -1;
         }
-        set_recv_timeout(cs->c->fd, 0);
+        fmc_set_recv_timeout(cs->c->fd, 0);
         use_vectors(cs, caps);
         return WIRE_NATIVE;
     }
@@ -512,96 +444,16 @@ static int handshake(conn_state *cs)
     fmc_put32(reply + 12, ok ? caps : 0);
     if (fmc_send_all(cs->c->fd, reply, sizeof reply) < 0 || !ok)
         return -1;
-    set_recv_timeout(cs->c->fd, 0);
+    fmc_set_recv_timeout(cs->c->fd, 0);
     use_vectors(cs, caps);
     return WIRE_NATIVE;
 }
 
-static void queue_mooncake_status(conn_state *cs, int ok, void *data, uint64_t len)
+/* After answering a small request, poll briefly for the next one before sleeping (the
+ * engine's spin_us): back-to-back small requests then find this thread awake. */
+static int spin_for_more(const fmc_engine *e, fmc_reader *rd, size_t need, uint64_t last_len)
 {
-    cs->requests++;
-    uint8_t *h = cs->hdr[cs->nhdr++];
-    fmc_put64(h, ok ? FMC_MC_STATUS_OK : FMC_MC_STATUS_REJECTED);
-    cs->iov[cs->niov++] = (struct iovec){.iov_base = h, .iov_len = FMC_MC_STATUS_SIZE};
-    cs->out_bytes += FMC_MC_STATUS_SIZE;
-    if (data) {
-        cs->iov[cs->niov++] = (struct iovec){.iov_base = data, .iov_len = (size_t)len};
-        cs->out_bytes += len;
-    }
-}
-
-/* A Mooncake initiator (v1 or v2 framing).  Mooncake has no keys: any registered region may be
- * addressed, which is why engines with a shared secret turn this framing off.  A refused write's
- * payload is not trusted to follow: v2 gets the rejection frame and the connection closes. */
-static void serve_mooncake(conn_state *cs)
-{
-    fmc_engine *e = cs->e;
-    int first = 1;
-    for (;;) {
-        if (!first && fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE) {
-            if (fmc_reader_try_more(&cs->rd) < 0)
-                break;
-            if (fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE && flush(cs) < 0)
-                break;
-        }
-        if (fmc_reader_fill(&cs->rd, FMC_MC_HDR_SIZE) < 0)
-            break;
-        if (first)
-            set_recv_timeout(cs->c->fd, 0);
-        first = 0;
-        const uint8_t *p = cs->rd.buf + cs->rd.start;
-        __atomic_store_n(&cs->c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
-        uint64_t size = fmc_get64(p), addr = fmc_get64(p + 8);
-        int v2 = (p[16] & FMC_MC_V2_FLAG) != 0, op = p[16] & 0x7f;
-        cs->rd.start += FMC_MC_HDR_SIZE;
-        if (op != FMC_MC_OP_READ && op != FMC_MC_OP_WRITE) {
-            e->stat_protocol_errors++;
-            fmc_engine_log(e, "dropped a Mooncake-framed data connection: bad opcode 0x%02x", p[16]);
-            break;
-        }
-        int is_write = op == FMC_MC_OP_WRITE;
-        fmc_region *r = size ? pin(cs, addr, size, NULL, is_write) : NULL;
-        if (size && !r) {
-            fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ, .flags = REQ_FLAG_MOONCAKE,
-                         .addr = addr, .len = size};
-            refuse(cs, &q);
-            if (v2)
-                queue_mooncake_status(cs, 0, NULL, 0);
-            if (!v2 || is_write)
-                break; /* v1 learns of a refusal only by the close, as from Mooncake itself */
-        } else if (is_write) {
-            int rc = size ? fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)addr, (size_t)size) : 0;
-            if (r)
-                unpin(cs, r);
-            if (rc < 0)
-                break;
-            cs->served_in += size;
-            if (v2)
-                queue_mooncake_status(cs, 1, NULL, 0);
-        } else {
-            if (r)
-                cs->read_pins[cs->nread_pins++] = r;
-            if (v2)
-                queue_mooncake_status(cs, 1, size ? (void *)(uintptr_t)addr : NULL, size);
-            else if (size) {
-                cs->iov[cs->niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)addr, .iov_len = (size_t)size};
-                cs->out_bytes += size;
-            }
-            cs->served_out += size;
-        }
-        if (cs->niov + 2 > FMC_IOV_MAX || cs->out_bytes >= FMC_FLUSH_BYTES) {
-            if (flush(cs) < 0)
-                break;
-        }
-    }
-    flush(cs);
-}
-
-/* After answering a small request, poll briefly for the next one before sleeping
- * (FLAGCX_MC_SPIN_US): back-to-back small requests then find this thread awake. */
-static int spin_for_more(fmc_reader *rd, size_t need, uint64_t last_len)
-{
-    int spin = fmc_spin_us_after(last_len);
+    int spin = fmc_spin_us_after(e, last_len);
     if (spin <= 0)
         return 0;
     int64_t until = fmc_now_us() + spin;
@@ -614,7 +466,7 @@ static int spin_for_more(fmc_reader *rd, size_t need, uint64_t last_len)
 }
 
 /* Queue a vector's answer header, and its entry statuses when some entry failed. */
-static void queue_vector_answer(conn_state *cs, uint64_t id, int n, int failed, uint64_t len, int zc)
+static void queue_vector_answer(fmc_conn_state *cs, uint64_t id, int n, int failed, uint64_t len, int zc)
 {
     cs->vectors_answered++;
     push_header(cs, id, failed ? FMC_ERR_REMOTE_REFUSED : FMC_OK, len + (failed ? (uint64_t)n * 4 : 0),
@@ -631,7 +483,7 @@ static void queue_vector_answer(conn_state *cs, uint64_t id, int n, int failed, 
  * a write's payloads are received with one scatter read straight into place and a read's are
  * sent with the answer's gather.  GPU entries go one by one through the staging buffer.
  * Returns -1 to drop the connection. */
-static int serve_vector(conn_state *cs, const fmc_req *q)
+static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
 {
     fmc_engine *e = cs->e;
     int n = (int)q->key, is_write = q->opcode == FMC_WIRE_OP_WRITEV;
@@ -752,7 +604,7 @@ static int serve_vector(conn_state *cs, const fmc_req *q)
     return 0;
 }
 
-static void serve(conn_state *cs)
+static void serve(fmc_conn_state *cs)
 {
     fmc_engine *e = cs->e;
     int wire = handshake(cs);
@@ -761,7 +613,7 @@ static void serve(conn_state *cs)
         return;
     }
     if (wire == WIRE_MOONCAKE) {
-        serve_mooncake(cs);
+        fmc_mc_serve(cs);
         return;
     }
     for (;;) {
@@ -770,7 +622,7 @@ static void serve(conn_state *cs)
             if (more < 0)
                 break;
             if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
-                if (flush(cs) < 0 || spin_for_more(&cs->rd, FMC_REQ_SIZE, cs->last_len) < 0 ||
+                if (flush(cs) < 0 || spin_for_more(cs->e, &cs->rd, FMC_REQ_SIZE, cs->last_len) < 0 ||
                     fmc_reader_fill(&cs->rd, FMC_REQ_SIZE) < 0)
                     break;
             }
@@ -866,7 +718,7 @@ void fmc_server_conn_cut_locked(fmc_server_conn *c)
 
 static void *conn_main(void *arg)
 {
-    conn_state *cs = arg;
+    fmc_conn_state *cs = arg;
     fmc_engine *e = cs->e;
     serve(cs);
     fmc_server_conn *c = cs->c;
@@ -947,7 +799,7 @@ static void evict_idlest_locked(fmc_engine *e)
 
 static void start_conn(fmc_engine *e, int fd)
 {
-    conn_state *cs = calloc(1, sizeof *cs);
+    fmc_conn_state *cs = calloc(1, sizeof *cs);
     fmc_server_conn *c = calloc(1, sizeof *c);
     if (!cs || !c || fmc_reader_init(&cs->rd, fd, FMC_RBUF_SIZE) != 0) {
         free(cs ? cs->rd.buf : NULL);
@@ -956,7 +808,7 @@ static void start_conn(fmc_engine *e, int fd)
         close(fd);
         return;
     }
-    fmc_tune_socket(fd);
+    fmc_tune_socket_cc(fd, e->opts.local_cc);
     c->fd = fd;
     cs->e = e;
     cs->c = c;

@@ -2,7 +2,8 @@
  * calling thread sends them itself when the stream is idle), a receiver thread consumes answers
  * in order and reads read-payloads straight into local memory.  A slice is only declared
  * finished once no thread touches its memory any more: that is what lets a timed-out call
- * return with its buffers free.  The peer (fmc_peer.c) creates, connects and closes streams. */
+ * return with its buffers free.  A peer's streams are set up in fmc_peer.c, connected and
+ * closed by fmc_peer_connect.c. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "fmc_internal.h"
+#include "fmc_mooncake.h"
 #include "fmc_wire.h"
 
 static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
@@ -174,11 +176,8 @@ static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int ne
 /* One request header in the peer's framing; returns its length. */
 static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_t out[FMC_REQ_SIZE])
 {
-    if (proto == FMC_PROTO_MOONCAKE) {
-        uint8_t op = (uint8_t)((is_write ? FMC_MC_OP_WRITE : FMC_MC_OP_READ) | FMC_MC_V2_FLAG);
-        fmc_mc_hdr_encode(out, s->len, s->remote, op);
-        return FMC_MC_HDR_SIZE;
-    }
+    if (proto == FMC_PROTO_MOONCAKE)
+        return fmc_mc_encode_request(s, is_write, out);
     fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ,
                  .key = s->key, .id = s->id, .addr = s->remote, .len = s->len};
     fmc_req_encode(out, &q);
@@ -318,7 +317,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (rc == 0 && deadline_ms >= 0)
         rc = fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
     else if (rc == 0)
-        rc = nzc && fmc_zc_enabled() ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
+        rc = nzc && fmc_zc_enabled(st->peer->engine) ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
     pthread_mutex_lock(&st->mu);
     /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
      * set, so the pointers are still valid; the ones already answered are ours to finish. */
@@ -505,19 +504,8 @@ static int zc_answer_void(fmc_stream *st, const fmc_resp *a)
 /* The next answer header in the peer's framing; -1 on EOF or an impossible status. */
 static int read_answer(int proto, fmc_reader *rd, fmc_resp *a)
 {
-    if (proto == FMC_PROTO_MOONCAKE) {
-        if (fmc_reader_fill(rd, FMC_MC_STATUS_SIZE) < 0)
-            return -1;
-        uint64_t v = fmc_get64(rd->buf + rd->start);
-        rd->start += FMC_MC_STATUS_SIZE;
-        if (v != FMC_MC_STATUS_OK && v != FMC_MC_STATUS_REJECTED)
-            return -1;
-        a->id = 0;
-        a->flags = 0;
-        a->len = 0;
-        a->status = v == FMC_MC_STATUS_OK ? FMC_OK : FMC_ERR_REMOTE_REFUSED;
-        return 0;
-    }
+    if (proto == FMC_PROTO_MOONCAKE)
+        return fmc_mc_read_answer(rd, a);
     if (fmc_reader_fill(rd, FMC_RESP_SIZE) < 0)
         return -1;
     fmc_resp_decode(rd->buf + rd->start, a);
@@ -709,11 +697,8 @@ void *fmc_stream_recv_main(void *arg)
                 st->receiving.head = st->receiving.tail = NULL;
                 goto next_answer;
             }
-            if (s && proto == FMC_PROTO_MOONCAKE) {
-                /* Mooncake answers carry no id: in-order delivery is the match. */
-                a.id = s->id;
-                a.len = s->batch->opcode == FMC_OP_READ && a.status == FMC_OK ? s->len : 0;
-            }
+            if (s && proto == FMC_PROTO_MOONCAKE)
+                fmc_mc_match_answer(s, &a); /* its answers carry no id: in-order delivery is the match */
             int carries_data = s && s->batch->opcode == FMC_OP_READ && a.status == FMC_OK;
             if (!s || s->id != a.id || a.len != (carries_data ? s->len : 0)) {
                 pthread_mutex_unlock(&st->mu);

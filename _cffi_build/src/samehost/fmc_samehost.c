@@ -305,17 +305,14 @@ static void pool_after_fork(void)
 
 static void pool_register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
 
-/* Threads that copy a call: FLAGCX_MC_COPY_THREADS, by default the online cores (at most 4). */
-static int copy_threads(void)
+/* Threads that copy one call: the engine's copy_threads (FLAGCX_MC_COPY_THREADS), by default
+ * the online cores, at most SH_MAX_PARTS (resolved at engine creation).  The helper threads are
+ * one pool for the process, started as calls need them; a call posts at most its own engine's
+ * count less one (the calling thread copies a part too), so engines in one process may differ. */
+static int copy_threads(const fmc_engine *e)
 {
-    static int value = -1;
-    if (value < 0) {
-        const char *env = getenv("FLAGCX_MC_COPY_THREADS");
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        int v = env && *env ? atoi(env) : (int)(cores > 0 ? cores : 1);
-        value = v < 1 ? 1 : v > SH_MAX_PARTS ? SH_MAX_PARTS : v;
-    }
-    return value;
+    int v = e->opts.copy_threads;
+    return v < 1 ? 1 : v > SH_MAX_PARTS ? SH_MAX_PARTS : v;
 }
 
 static void run_part(sh_part *t)
@@ -424,7 +421,7 @@ int fmc_sh_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const
         total += lens[i];
         host_only &= routes[i].dev < 0 && local_dev[i] < 0;
     }
-    int want = total >= SH_SPLIT_MIN && host_only ? copy_threads() : 1;
+    int want = total >= SH_SPLIT_MIN && host_only ? copy_threads(p->engine) : 1;
     int words[SH_MAX_PARTS], nwords = 0;
     pthread_mutex_lock(&p->sh_mu);
     while (!p->sh_free)

@@ -5,7 +5,7 @@
  * and the target answers 16 bytes:
  *     char magic[8] = "FMCNATOK"; i32 status; u32 reserved
  * The magic read as a Mooncake TCP header `size` would be ~3.5e18 bytes, so a server can tell a
- * native peer from a Mooncake peer by its first 8 bytes.
+ * native peer from a Mooncake peer by its first 8 bytes (Mooncake's framing: fmc_mooncake.h).
  *
  * Then any number of requests, pipelined:
  *     u8 opcode (1 write, 2 read); u8 flags; u16 reserved; u32 key; u64 id; u64 addr; u64 len
@@ -134,27 +134,6 @@ static inline void fmc_resp_decode(const uint8_t in[FMC_RESP_SIZE], fmc_resp *r)
     r->status = (int32_t)fmc_get32(in + 8);
     r->flags = fmc_get32(in + 12);
     r->len = fmc_get64(in + 16);
-}
-
-/* Mooncake's TCP transport (tcp_transport_session_impl.h): a raw 24-byte header
- *     u64 size; u64 addr; u8 opcode (0 read, 1 write; | 0x80 = protocol v2); 7 padding bytes
- * followed by `size` bytes for a write.  v2 targets answer every request with an 8-byte status
- * (after a write's bytes landed; before a read's bytes).  v1 answers nothing, so a v1 write can
- * never be confirmed: we only speak v2 as an initiator and accept both as a target. */
-#define FMC_MC_HDR_SIZE 24
-#define FMC_MC_STATUS_SIZE 8
-#define FMC_MC_OP_READ 0
-#define FMC_MC_OP_WRITE 1
-#define FMC_MC_V2_FLAG 0x80
-#define FMC_MC_STATUS_OK 0x4D43545600000000ull
-#define FMC_MC_STATUS_REJECTED 0x4D43545600000001ull
-
-static inline void fmc_mc_hdr_encode(uint8_t out[FMC_MC_HDR_SIZE], uint64_t size, uint64_t addr, uint8_t opcode)
-{
-    memset(out, 0, FMC_MC_HDR_SIZE);
-    fmc_put64(out, size);
-    fmc_put64(out + 8, addr);
-    out[16] = opcode;
 }
 
 #endif

@@ -12,7 +12,7 @@
  * of 64 MiB batches of 256 KiB blocks over loopback TCP went from 3.84 to 4.36 GB/s (writes 4.10
  * to 4.18; interleaved 2-second loops, 4 rounds); a 64 MiB region is collapsed in ~40 ms.
  *
- * FLAGCX_MC_PREFAULT=0 skips all of it. */
+ * An engine whose prefault option is off (FLAGCX_MC_PREFAULT=0) skips all of it. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -48,15 +48,9 @@ struct fmc_collapser {
     pthread_t thread;
 };
 
-static int prefault_wanted(void)
+void fmc_hugepages_prepare(const fmc_engine *e, uint64_t addr, uint64_t len)
 {
-    const char *env = getenv("FLAGCX_MC_PREFAULT");
-    return !(env && strcmp(env, "0") == 0);
-}
-
-void fmc_hugepages_prepare(uint64_t addr, uint64_t len)
-{
-    if (!prefault_wanted())
+    if (!e->opts.prefault)
         return;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     uint64_t start = addr & ~(page - 1), end = (addr + len + page - 1) & ~(page - 1);
@@ -128,7 +122,7 @@ static void *collapse_main(void *arg)
 
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key)
 {
-    if (!prefault_wanted() || len < huge_page_size())
+    if (!e->opts.prefault || len < huge_page_size())
         return;
     collapse_job *j = malloc(sizeof *j);
     if (!j)

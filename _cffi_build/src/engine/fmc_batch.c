@@ -279,7 +279,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
      * Other writes keep their sender threads, which push the streams' payloads in parallel. */
     int small = used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_SMALL_TRANSFER_BYTES;
     int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
-    int claim = small && receiving && opcode == FMC_OP_WRITE && fmc_spin_us() > 0;
+    int claim = small && receiving && opcode == FMC_OP_WRITE && fmc_spin_us(p->engine) > 0;
     for (int i = 0; i < p->nstreams; i++) {
         if (!per_stream[i].head)
             continue;
@@ -364,27 +364,21 @@ int fmc_batch_cancel(fmc_batch *b)
     return FMC_OK;
 }
 
-/* Microseconds a waiter (and a target between requests) polls before sleeping:
- * FLAGCX_MC_SPIN_US, default 30, 0 to never poll.  On a VM a sleeping thread takes tens of
- * microseconds to wake; a small transfer's round trip ends within the poll and saves that
+/* Microseconds a waiter (and a target between requests) polls before sleeping: the engine's
+ * spin_us (FLAGCX_MC_SPIN_US), default 30, 0 to never poll.  On a VM a sleeping thread takes
+ * tens of microseconds to wake; a small transfer's round trip ends within the poll and saves that
  * wake-up on each side, at the price of at most this much CPU per call. */
-int fmc_spin_us(void)
-{
-    static int value = -1;
-    if (value < 0) {
-        const char *env = getenv("FLAGCX_MC_SPIN_US");
-        int v = env && *env ? atoi(env) : 30;
-        value = v < 0 ? 0 : v > 10000 ? 10000 : v;
-    }
-    return value;
-}
+int fmc_spin_us(const fmc_engine *e) { return e->opts.spin_us; }
 
 /* Only small transfers are worth polling for.  A larger one takes a few hundred microseconds
  * or more, so one wake-up is a small share of it, while a poll that yields the CPU over and over
  * takes turns from the very threads moving its bytes when cores are few: on the 2-core VM,
  * polling after 4 MiB batches cost 10-30 % of their throughput (three times as many context
  * switches as sleeping). */
-int fmc_spin_us_after(uint64_t bytes) { return bytes <= FMC_SMALL_TRANSFER_BYTES ? fmc_spin_us() : 0; }
+int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes)
+{
+    return bytes <= FMC_SMALL_TRANSFER_BYTES ? fmc_spin_us(e) : 0;
+}
 
 static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
 {
@@ -417,7 +411,7 @@ static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
 
 int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
 {
-    return batch_wait(b, timeout_ms, fmc_spin_us_after(b->bytes));
+    return batch_wait(b, timeout_ms, fmc_spin_us_after(b->peer->engine, b->bytes));
 }
 
 void fmc_batch_free(fmc_batch *b)
@@ -473,7 +467,7 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms), &receiving);
     if (rc != FMC_OK)
         return rc;
-    int spin = fmc_spin_us_after(b->bytes);
+    int spin = fmc_spin_us_after(b->peer->engine, b->bytes);
     if (receiving) {
         /* Poll for the answers for the usual spin, plus the time the bytes take at 2 GB/s. */
         int64_t until = start_us + spin + (int64_t)(b->bytes >> 11);
