@@ -15,6 +15,7 @@ import pytest
 from flagcx_mc._fmc_cffi import ffi, lib
 
 from flagcx_mc import errors
+from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
 from flagcx_mc.config import EngineConfig
 from flagcx_mc.tools.bench import limits as bl
 from flagcx_mc.tools.bench import runner as bench
@@ -318,7 +319,7 @@ def test_baselines_refuse_bad_arguments():
 
 
 def test_cuda_baseline_is_absent_or_works():
-    count, why = bl.cuda_device_count()
+    count, why = cuda_device_count()
     out = ffi.new("double *")
     if count == 0:
         assert why
@@ -328,7 +329,7 @@ def test_cuda_baseline_is_absent_or_works():
     else:
         assert bl.cuda_d2d_gbps(1 << 20, 8 * MiB, 64 * MiB) > 0
         assert bl.measure("cuda d2d b2b", 1 << 20, 8 * MiB, 64 * MiB) > 0
-        buf = bl.CudaBuffer(1 << 20)
+        buf = DeviceBuffer(1 << 20)
         try:
             digest = buf.fill_random(0, 1 << 20)
             assert buf.digest(0, 1 << 20) == digest
@@ -336,4 +337,4 @@ def test_cuda_baseline_is_absent_or_works():
             buf.close()
     assert lib.fmc_baseline_cuda_d2d(-1, 0, 4096, 4096, 4096, 1, out) < 0
     assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == lib.FMC_ERR_INVALID_ARGUMENT
-    assert lib.fmc_baseline_cuda_devices(ffi.NULL) == lib.FMC_ERR_INVALID_ARGUMENT
+    assert lib.fmc_cuda_device_count(ffi.NULL) == lib.FMC_ERR_INVALID_ARGUMENT

@@ -14,8 +14,8 @@ Each baseline moves ``total`` bytes in ``block``-sized pieces through buffers of
   one 64 MiB block per call even a bare C loop of copy-and-wait reaches only ~0.83 of it on an
   H200, the launch and completion latency no longer hidden behind the next copy).
 
-The CUDA helpers let the benchmark own device memory without a framework.  At the end: the
-ratios of measured rows against these limits and against Mooncake, and the issue's targets.
+At the end: the ratios of measured rows against these limits and against Mooncake, and the
+issue's targets.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Dict, List, Optional, Tuple
 
 from ... import errors
 from ..._core import ffi, last_error, lib
-from ...buffers import DeviceBuffer
 
 __all__ = [
     "BASELINES",
@@ -35,8 +34,6 @@ __all__ = [
     "tcp_gbps",
     "pvm_gbps",
     "cuda_d2d_gbps",
-    "cuda_device_count",
-    "CudaBuffer",
     "add_ratios",
     "throughput_rows",
     "evaluate_targets",
@@ -86,15 +83,6 @@ def cuda_d2d_gbps(block: int, span: int, total: int, src_device: int = 0, dst_de
     return _out(rc, gbps, "CUDA device-to-device baseline")
 
 
-def cuda_device_count() -> Tuple[int, str]:
-    """(number of CUDA devices, why none) — 0 and the reason where there is no driver."""
-    count = ffi.new("int *")
-    rc = lib.fmc_baseline_cuda_devices(count)
-    if rc < 0:
-        return 0, last_error() or "no CUDA driver"
-    return int(count[0]), "" if count[0] else "no CUDA device"
-
-
 def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda_devices: Tuple[int, int] = (0, 0)
             ) -> float:
     """Measure the baseline called ``name`` (one of ``BASELINES`` except ``mooncake``).
@@ -113,9 +101,6 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
     if name == "cuda d2d b2b":
         return cuda_d2d_gbps(block, span, total, *cuda_devices, wait_each_batch=False)
     raise ValueError(f"no C baseline called {name!r}")
-
-
-CudaBuffer = DeviceBuffer  # the bench's name for it
 
 
 def fmt_size(n: int) -> str:

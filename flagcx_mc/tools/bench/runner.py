@@ -143,8 +143,9 @@ def availability(t: Transport, opts: BenchOptions) -> Tuple[bool, str]:
         return True, ""
     if t.memory == "cuda":
         from ... import names
+        from ...buffers import cuda_device_count
 
-        count, why = bl.cuda_device_count()
+        count, why = cuda_device_count()
         if count == 0:
             return False, f"not available on this machine ({why})"
         if not names.SUPPORT_CUDA:

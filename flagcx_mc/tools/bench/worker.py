@@ -101,9 +101,9 @@ class _Worker:
             self.mem = _MappedRange(addr, size)
         else:
             if memory == "cuda":
-                from .limits import CudaBuffer
+                from ...buffers import DeviceBuffer
 
-                self.mem = CudaBuffer(size)
+                self.mem = DeviceBuffer(size)
             else:
                 from ...buffers import HostBuffer
 
