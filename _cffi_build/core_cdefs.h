@@ -120,10 +120,3 @@ int fmc_cuda_buffer_alloc_vmm(int device, uint64_t size, uint64_t chunk, int sha
 int fmc_cuda_buffer_free(int device, uint64_t ptr);
 int fmc_cuda_buffer_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk);
 int fmc_cuda_buffer_copy(int device, uint64_t dst, uint64_t src, uint64_t len);
-
-/* baselines (bench only) */
-int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
-                          int wait_each_batch, double *gbps_out);

@@ -12,7 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import ffi, lib
+from flagcx_mc._fmc_cffi import lib as core_lib
+from flagcx_mc.tools.bench._limits_cffi import ffi, lib
 
 from flagcx_mc import errors
 from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
@@ -298,7 +299,7 @@ def test_odd_totals_and_single_stream():
 
 def test_baselines_refuse_bad_arguments():
     out = ffi.new("double *")
-    bad = lib.FMC_ERR_INVALID_ARGUMENT
+    bad = core_lib.FMC_ERR_INVALID_ARGUMENT
     for rc in (
         lib.fmc_baseline_memcpy(0, 4096, 4096, out),          # no block
         lib.fmc_baseline_memcpy(4096, 1024, 4096, out),       # span smaller than a block
@@ -336,5 +337,13 @@ def test_cuda_baseline_is_absent_or_works():
         finally:
             buf.close()
     assert lib.fmc_baseline_cuda_d2d(-1, 0, 4096, 4096, 4096, 1, out) < 0
-    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == lib.FMC_ERR_INVALID_ARGUMENT
-    assert lib.fmc_cuda_device_count(ffi.NULL) == lib.FMC_ERR_INVALID_ARGUMENT
+    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == core_lib.FMC_ERR_INVALID_ARGUMENT
+
+
+def test_limits_are_a_module_of_their_own():
+    """The production core carries no benchmark code; the limits module only the measurements."""
+    assert not [name for name in dir(core_lib) if "baseline" in name]
+    assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
+        "fmc_baseline_cuda_d2d", "fmc_baseline_memcpy", "fmc_baseline_pvm", "fmc_baseline_tcp", "fmc_last_error"]
+    with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
+        bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text

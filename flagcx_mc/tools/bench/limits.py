@@ -1,4 +1,5 @@
-"""Physical limits for ``flagcx-mc bench``, measured by the C core without any engine in the way.
+"""Physical limits for ``flagcx-mc bench``, measured in C without any engine in the way (the
+module ``_limits_cffi``, built beside the core from ``_cffi_build/limits/fmc_limits.c``).
 
 Each baseline moves ``total`` bytes in ``block``-sized pieces through buffers of ``span`` bytes
 (the working set of one batch of the benchmarked workload) and returns GB/s (1e9 bytes/s):
@@ -24,7 +25,7 @@ import statistics
 from typing import Dict, List, Optional, Tuple
 
 from ... import errors
-from ..._core import ffi, last_error, lib
+from ._limits_cffi import ffi, lib
 
 __all__ = [
     "BASELINES",
@@ -48,8 +49,13 @@ class BaselineUnavailable(RuntimeError):
     """This machine or build cannot measure that baseline (no CUDA driver, no permission)."""
 
 
+def last_error() -> str:
+    """The message of the last failing measurement in this thread."""
+    return ffi.string(lib.fmc_last_error()).decode(errors="replace")
+
+
 def _out(rc: int, value, what: str) -> float:
-    if rc == lib.FMC_ERR_NOT_IMPLEMENTED:
+    if rc == errors.NotSupportedError.code:
         raise BaselineUnavailable(f"{what}: {last_error()}")
     if rc < 0:
         raise errors.error_for_code(rc, f"{what}: {last_error()}")

@@ -3,7 +3,8 @@
  * Every baseline moves `total` bytes in `block`-sized pieces through buffers of `span` bytes (the
  * working set of one batch of the engine's workload), so caches treat both alike, and writes the
  * throughput in GB/s (1e9 bytes per second) through `gbps_out`.  Nothing here is used by the
- * engine.
+ * engine: this file is built into a module of its own (build_limits.py), with the core's socket
+ * helpers (fmc_util.c) so that the raw socket is opened and tuned as the engine's streams are.
  *
  *   fmc_baseline_memcpy  memcpy of each block, one thread
  *   fmc_baseline_tcp     loopback TCP, `streams` connections, a sender and a receiver thread each;
@@ -11,7 +12,7 @@
  *                        streams do), receivers read as much as the socket has
  *   fmc_baseline_pvm     process_vm_writev from this process into a forked child, up to 1024
  *                        blocks per call, back-to-back blocks joined into one range per side
- *   fmc_baseline_cuda_*  device-to-device copies through the CUDA driver API, loaded with dlopen
+ *   fmc_baseline_cuda_d2d  device-to-device copies through the CUDA driver API, loaded with dlopen
  *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver): each batch's copies
  *                        queued on a stream and waited for, as a synchronous transfer must, or
  *                        queued back to back with one wait at the end
@@ -34,6 +35,7 @@
 #include <unistd.h>
 
 #include "fmc_internal.h"
+#include "limits_cdefs.h"
 
 #define BL_GATHER_BYTES (1u << 20) /* bytes a raw sender hands to one sendmsg */
 #define BL_GATHER_IOVS 256
