@@ -16,6 +16,7 @@ from flagcx_mc._fmc_cffi import lib as core_lib
 from flagcx_mc.tools.bench._limits_cffi import ffi, lib
 
 from flagcx_mc import errors
+from flagcx_mc._units import fmt_size, parse_size
 from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
 from flagcx_mc.config import EngineConfig
 from flagcx_mc.tools.bench import limits as bl
@@ -160,7 +161,15 @@ def test_transport_without_a_setting_is_not_available():
 def test_shapes_cap_batches_at_64_mib():
     opts = bench.BenchOptions(blocks=[4096, 64 * MiB], batches=[1, 1024])
     assert bench.shapes_of(opts) == [(4096, 1), (4096, 1024), (64 * MiB, 1)]
-    assert bench.parse_size("4k") == 4096 and bench.parse_size("64MiB") == 64 * MiB
+
+
+def test_sizes_parse_and_format_in_binary_units():
+    assert parse_size("4k") == 4096 and parse_size("64MiB") == 64 * MiB and parse_size(" 512b ") == 512
+    assert parse_size("1G") == 1 << 30 and fmt_size(1 << 30) == "1 GiB" and fmt_size(3 * 4096) == "12 KiB"
+    assert fmt_size(1000) == "1000 B" and fmt_size(0) == "0 B"
+    for bad in ("", "k", "4x", "-4k", "1.5m"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
 
 
 def test_ratios_use_the_limit_measured_beside_the_row():

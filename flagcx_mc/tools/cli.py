@@ -9,12 +9,14 @@ from typing import List, Optional
 
 
 def _parse_shape(text: str) -> tuple:
+    """'4kx1024' -> (4096, 1024); a block without a count is one block."""
+    from .._units import parse_size
+
     block, _, count = text.partition("x")
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    block = block.strip().lower()
-    mult = units.get(block[-1:], 1)
-    number = block[:-1] if block[-1:] in units else block
-    return int(number) * mult, int(count or 1)
+    try:
+        return parse_size(block), int(count or 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _csv(convert):
@@ -27,7 +29,8 @@ def _csv(convert):
 
 
 def _add_bench_parser(sub) -> None:
-    from .bench.runner import TRANSPORTS, parse_size
+    from .._units import parse_size
+    from .bench.runner import TRANSPORTS
 
     bench = sub.add_parser("bench",
                            help="sweep block and batch sizes per transport against Mooncake and physical limits")

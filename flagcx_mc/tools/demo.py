@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .._testing.node import NodeProcess
+from .._units import fmt_size
 from ..buffers import HostBuffer
 from ..engine.async_engine import AsyncTransferEngine
 
@@ -30,13 +31,6 @@ class DemoResult:
     @property
     def gbps(self) -> float:
         return self.block * self.count / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def _fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 async def _demo(shapes: List[tuple], repeat: int, streams: Optional[int]) -> List[DemoResult]:
@@ -94,7 +88,7 @@ def run_demo(shapes: List[tuple] = DEFAULT_SHAPES, repeat: int = 3, streams: Opt
     results = asyncio.run(_demo(shapes, repeat, streams))
     print(f"{'direction':<11} {'block':>9} {'count':>6} {'total':>9} {'GB/s':>7}  verified")
     for r in results:
-        print(f"{r.direction:<11} {_fmt_size(r.block):>9} {r.count:>6} {_fmt_size(r.block * r.count):>9} "
+        print(f"{r.direction:<11} {fmt_size(r.block):>9} {r.count:>6} {fmt_size(r.block * r.count):>9} "
               f"{r.gbps:>7.2f}  {'yes' if r.verified else 'NO'}")
     bad = [r for r in results if not r.verified]
     print("all transfers verified by sha256" if not bad else f"{len(bad)} transfer(s) FAILED verification")

@@ -25,6 +25,7 @@ import statistics
 from typing import Dict, List, Optional, Tuple
 
 from ... import errors
+from ..._units import fmt_size
 from ._limits_cffi import ffi, lib
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
     "add_ratios",
     "throughput_rows",
     "evaluate_targets",
-    "fmt_size",
 ]
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
@@ -107,14 +107,6 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
     if name == "cuda d2d b2b":
         return cuda_d2d_gbps(block, span, total, *cuda_devices, wait_each_batch=False)
     raise ValueError(f"no C baseline called {name!r}")
-
-
-def fmt_size(n: int) -> str:
-    """4096 -> '4 KiB'."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------------- ratios and targets

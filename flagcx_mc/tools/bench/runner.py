@@ -32,11 +32,11 @@ from typing import IO, Dict, List, Optional, Tuple
 
 from ..._testing.node import NodeError, NodeProcess
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
+from ..._units import fmt_size
 from . import limits as bl
-from .limits import fmt_size
 from .worker import WorkerProcess
 
-__all__ = ["BenchOptions", "Transport", "TRANSPORTS", "run_bench", "parse_size", "fmt_size"]
+__all__ = ["BenchOptions", "Transport", "TRANSPORTS", "run_bench"]
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_BLOCKS = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -96,15 +96,6 @@ class BenchOptions:
                       latency_n=1000, quick=True)
         values.update(overrides)
         return cls(**values)
-
-
-def parse_size(text: str) -> int:
-    """'4k' -> 4096, '64m' -> 64 MiB, '512' -> 512."""
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    units = {"k": KiB, "m": MiB, "g": 1 << 30}
-    if text[-1:] in units:
-        return int(text[:-1]) * units[text[-1]]
-    return int(text)
 
 
 def shapes_of(opts: BenchOptions) -> List[Tuple[int, int]]:
