@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import IO, Dict, List, Optional, Tuple
 
-from ..._testing.node import NodeError, NodeProcess
+from ..._process import EngineProcessError
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from ..._units import fmt_size
 from . import limits as bl
@@ -55,9 +55,9 @@ TRANSPORT_SETTING = "transport"
 class Transport:
     name: str
     engine: str          # "flagcx_mc" or "mooncake"
-    memory: str          # bench_worker.MEMORY_KINDS: host, managed (shared), cuda
+    memory: str          # worker.MEMORY_KINDS: host, managed (shared), cuda
     selector: str        # value of TRANSPORT_SETTING; "" for Mooncake
-    limit: str           # the physical limit it is held against (bench_baselines.BASELINES)
+    limit: str           # the physical limit it is held against (limits.BASELINES)
     summary: str
 
 
@@ -188,10 +188,7 @@ def _start(t: Transport, opts: BenchOptions, size: int, log: Optional[IO[str]]):
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
     config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
     with _stderr_to(log):
-        if t.memory == "host":
-            target = NodeProcess(regions=[size], config=config, env=env, engine=t.engine)
-        else:
-            target = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env)
+        target = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env)
         try:
             initiator = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env)
         except BaseException:
@@ -233,9 +230,8 @@ def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs
         error = f"return code {failed['rc']} in {failed.get('where', 'timed loop')}"
     elif got != expect:
         error = "content differs from the source"
-    elif isinstance(target, NodeProcess) and not isinstance(target, WorkerProcess):
-        if not target.call("guards")["intact"]:
-            error = "bytes written outside the target range"
+    elif not target.call("guards")["intact"]:
+        error = "bytes written outside the target range"
     trial_gbps = [span * x["reps"] / x["seconds"] / 1e9 if x["seconds"] > 0 else 0.0 for x in trials]
     best = trials[trial_gbps.index(max(trial_gbps))] if trial_gbps else {"reps": 0, "seconds": 0.0,
                                                                          "cpu_seconds": 0.0}
@@ -291,7 +287,7 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[
         for t in running:
             try:
                 procs[t.name] = _start(t, opts, size, log)
-            except (NodeError, OSError) as exc:
+            except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
         for op in opts.ops:
             for block, count in shapes:
@@ -302,7 +298,7 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[
                 continue
             try:
                 lat = _measure_latency(t, opts.latency_n, *procs[t.name])
-            except (NodeError, OSError) as exc:
+            except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
                 continue
             result["latency"].append(lat)
@@ -374,7 +370,7 @@ def _trial_rounds(op: str, block: int, count: int, live: List[Transport], procs:
                 continue
             try:
                 runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name]))
-            except (NodeError, OSError) as exc:
+            except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
     return _Attempt(limit_gbps, runs, steal.share())
 
@@ -398,7 +394,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     for t in live:
         try:
             expects[t.name] = _prepare_row(op, span, *procs[t.name])
-        except (NodeError, OSError) as exc:
+        except (EngineProcessError, OSError) as exc:
             stop(t, exc)
     live = [t for t in live if t.name in expects]
     attempts: List[_Attempt] = []
@@ -428,7 +424,7 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
             continue
         try:
             row = _finish_row(t, op, block, count, expects[t.name], runs[t.name], *procs[t.name])
-        except (NodeError, OSError) as exc:
+        except (EngineProcessError, OSError) as exc:
             stop(t, exc)
             continue
         row["steal"], row["steal_attempts"] = steal_share, steal_attempts
