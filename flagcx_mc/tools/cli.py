@@ -56,11 +56,29 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--png", metavar="PATH", default="bench-results/bench.png",
                        help="plot of GB/s vs block size, if matplotlib is installed ('' for none)")
     bench.add_argument("--no-mooncake", action="store_true", help="skip Mooncake's engine")
+    bench.add_argument("--targets", metavar="FILE",
+                       help="check the result against the targets in FILE (JSON or TOML: a list of {name, metric, "
+                            "threshold, better}, see flagcx_mc.tools.bench.targets); a missed target makes the exit "
+                            "code 1")
+    bench.add_argument("--check", metavar="RESULTS",
+                       help="measure nothing: print the report of a results file written earlier, checked against "
+                            "--targets")
     bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .bench.runner import BenchOptions, run_bench
+    from .bench.runner import TRANSPORTS, BenchOptions, run_bench
+    from .bench.targets import TargetsError, load_targets
+
+    targets = None
+    if args.targets:
+        try:
+            targets = load_targets(args.targets, tuple(t.name for t in TRANSPORTS))
+        except TargetsError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    if args.check:
+        return _check_results(args.check, targets)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -70,10 +88,29 @@ def _run_bench(args: argparse.Namespace) -> int:
     if bad_ops or not args.ops:
         print(f"--ops takes write and/or read, not {','.join(sorted(bad_ops)) or 'nothing'}", file=sys.stderr)
         return 2
-    overrides.update(ops=args.ops, mooncake=not args.no_mooncake,
+    overrides.update(ops=args.ops, mooncake=not args.no_mooncake, targets=targets, targets_path=args.targets,
                      json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
     opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
     return run_bench(opts)
+
+
+def _check_results(path: str, targets) -> int:
+    """The report of a results file written earlier, its targets evaluated afresh (``targets``:
+    a loaded targets file, or None for none)."""
+    import json
+
+    from .bench.report import print_report, verdict
+    from .bench.targets import evaluate_targets
+
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        result["targets"] = evaluate_targets(targets, result) if targets else []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"cannot read bench results from {path}: {exc}", file=sys.stderr)
+        return 2
+    print_report(result)
+    return verdict(result)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

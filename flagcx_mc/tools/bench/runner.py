@@ -3,7 +3,7 @@
 For each transport (a row of ``TRANSPORTS``) a target and an initiator run in processes of their
 own; the initiator runs timed loops of sync batch transfers for each (block size, batch size)
 shape and each op, and reports wall time and its own CPU time.  Mooncake's engine (PyPI wheel,
-``MC_FORCE_TCP=1``) is measured the same way on the same workload.  The C core measures the
+``MC_FORCE_TCP=1``) is measured the same way on the same workload.  The limits module measures the
 physical limits (memcpy, raw loopback socket, raw ``process_vm_writev``, CUDA device-to-device
 copy) on the same shapes, in rounds with the engines' timed loops of that shape and op (limits,
 then each engine, once per trial; each side reports its best), so that a ratio compares
@@ -11,9 +11,10 @@ measurements taken in the same seconds (on a shared machine the raw socket alone
 over one run).  Every row is verified by sha256 of the whole range after its timed loop; an
 unverified row makes the exit code 1.
 
-Output: one progress line per measurement on stderr; on stdout the tables (ratios as
-``vs <baseline>`` columns) and one PASS/MISS line per target; a JSON file (schema
-``flagcx_mc.bench/1``) and, where matplotlib is installed, a PNG of throughput vs block size.
+Output (made by ``report``): one progress line per measurement on stderr; on stdout the tables
+(ratios as ``vs <baseline>`` columns) and, given a targets file (``targets``), one PASS/MISS/N/A
+line per target, a missed one making the exit code 1; a JSON file (schema ``flagcx_mc.bench/1``)
+and, where matplotlib is installed, a PNG of throughput vs block size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import contextlib
 import dataclasses
 import datetime
 import importlib.util
-import json
 import os
 import platform
 import sys
@@ -34,6 +34,8 @@ from ..._process import EngineProcessError
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from ..._units import fmt_size
 from . import limits as bl
+from .report import add_ratios, draw_png, print_report, verdict, write_json
+from .targets import TargetSet, evaluate_targets
 from .worker import WorkerProcess
 
 __all__ = ["BenchOptions", "Transport", "TRANSPORTS", "run_bench"]
@@ -89,6 +91,8 @@ class BenchOptions:
     png_path: Optional[str] = "bench-results/bench.png"
     verbose: bool = False
     quick: bool = False
+    targets: Optional[TargetSet] = None  # checked against the result (targets.load_targets)
+    targets_path: Optional[str] = None   # where they came from, for the JSON
 
     @classmethod
     def quick_options(cls, **overrides) -> "BenchOptions":
@@ -434,112 +438,6 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
                       f"{row['cpu_s_per_gib'] or 0:6.3f} CPU s/GiB  {status}")
 
 
-# ---------------------------------------------------------------------------------- output
-
-
-def _fmt_ratio(value: Optional[float]) -> str:
-    return "" if value is None else f"{value:.2f}x"
-
-
-def _steal_summary(result: dict) -> Optional[str]:
-    """One line on hypervisor steal over the run and during the worst shape, if it was measured."""
-    share = result.get("host", {}).get("steal_share")
-    if share is None:
-        return None
-    line = f"hypervisor steal: {share:.0%} of CPU time over the run"
-    worst = max((r for r in result["rows"] if r.get("steal") is not None), key=lambda r: r["steal"], default=None)
-    if worst is not None and worst["steal"] > 0:
-        line += f" (most: {worst['steal']:.0%} during {worst['op']} {fmt_size(worst['block'])} x{worst['count']})"
-    again = {(r["op"], r["block"], r["count"]) for r in result["rows"] if len(r.get("steal_attempts") or ()) > 1}
-    if again:
-        line += f"; {len(again)} shape(s) measured again after steal, the calmest pass kept"
-    return line
-
-
-def print_report(result: dict, out: Optional[IO[str]] = None) -> None:
-    out = out or sys.stdout  # looked up per call: a redirected sys.stdout (tests, callers) gets the report
-    rows, baselines = result["rows"], result["baselines"]
-    columns = [b for b in bl.BASELINES if any(b in r["ratios"] for r in rows)]
-    head = f"{'transport':<14} {'op':<5} {'block':>7} {'count':>5} {'GB/s':>7} {'CPU s/GiB':>9}"
-    head += "".join(f" {'vs ' + c:>14}" for c in columns) + "  verified"
-    print(head, file=out)
-    for r in rows:
-        line = (f"{r['transport']:<14} {r['op']:<5} {fmt_size(r['block']):>7} {r['count']:>5} {r['gbps']:>7.2f} "
-                f"{r['cpu_s_per_gib'] if r['cpu_s_per_gib'] is not None else float('nan'):>9.3f}")
-        line += "".join(f" {_fmt_ratio(r['ratios'].get(c)):>14}" for c in columns)
-        print(line + ("  yes" if r["verified"] else f"  NO ({r['error']})"), file=out)
-    if baselines:
-        print(f"\n{'physical limit':<14} {'beside':<6} {'block':>7} {'count':>5} {'GB/s':>7}", file=out)
-        for b in baselines:
-            print(f"{b['name']:<14} {b.get('op', ''):<6} {fmt_size(b['block']):>7} {b['count']:>5} {b['gbps']:>7.2f}",
-                  file=out)
-    if result["latency"]:
-        print(f"\n{'4 KiB sync write':<16} {'n':>5} {'p50 us':>8} {'p99 us':>8} {'mean us':>8}  verified", file=out)
-        for x in result["latency"]:
-            print(f"{x['transport']:<16} {x['n'] or 0:>5} {x['p50_us'] or 0:>8.1f} {x['p99_us'] or 0:>8.1f} "
-                  f"{x['mean_us'] or 0:>8.1f}  {'yes' if x['verified'] else 'NO'}", file=out)
-    print("", file=out)
-    for name, info in result["transports"].items():
-        if not info["available"]:
-            print(f"{name}: {info['reason']}", file=out)
-    for name, reason in result["baselines_missing"].items():
-        print(f"baseline {name}: not available ({reason})", file=out)
-    host, options = result.get("host", {}), result.get("options", {})
-    if options.get("streams"):
-        print(f"TCP: {options['streams']} streams per peer (the raw socket too); congestion control within "
-              f"this host {host.get('local_congestion_control')}, host default {host.get('tcp_congestion_control')} "
-              f"(Mooncake's)", file=out)
-    steal_line = _steal_summary(result)
-    if steal_line:
-        print(steal_line, file=out)
-    print("", file=out)
-    for t in result["targets"]:
-        measured = "" if t["measured"] is None else f"{t['measured']:.2f} (threshold {t['threshold']})"
-        print(f"{t['status']:<4} {t['name']}: {measured}{'  ' if measured else ''}{t['detail']}", file=out)
-    bad = [r for r in rows if not r["verified"]] + [x for x in result["latency"] if not x["verified"]]
-    print("all transfers verified by sha256" if not bad and not result["errors"]
-          else f"{len(bad)} measurement(s) NOT verified, {len(result['errors'])} error(s)", file=out)
-
-
-def draw_png(result: dict, path: str) -> Optional[str]:
-    """Throughput vs block size (largest batch per block); returns why it was skipped, or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for transport in dict.fromkeys(r["transport"] for r in result["rows"]):
-        picked = bl.throughput_rows(result["rows"], transport)
-        for op in dict.fromkeys(r["op"] for r in picked):
-            pts = sorted((r["block"], r["gbps"]) for r in picked if r["op"] == op)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{transport} {op}")
-    largest: Dict[int, int] = {}
-    for b in result["baselines"]:
-        largest[b["block"]] = max(largest.get(b["block"], 0), b["count"])
-    for name in dict.fromkeys(b["name"] for b in result["baselines"]):
-        per_block: Dict[int, List[float]] = {}  # one value per op pass: their mean
-        for b in result["baselines"]:
-            if b["name"] == name and b["count"] == largest[b["block"]]:
-                per_block.setdefault(b["block"], []).append(b["gbps"])
-        pts = sorted((block, sum(v) / len(v)) for block, v in per_block.items())
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="--", label=f"limit: {name}")
-    ax.set_xscale("log", base=2)
-    blocks = sorted({r["block"] for r in result["rows"]} | set(largest))
-    ax.set_xticks(blocks, [fmt_size(b).replace(" ", "") for b in blocks])
-    ax.set_xlabel("block size (largest batch per block)")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"flagcx_mc bench: {result['host']['cpus']} CPUs, {result['host']['platform']}", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
-
-
 def _host_info() -> dict:
     import flagcx_mc
 
@@ -566,7 +464,8 @@ def _host_info() -> dict:
 
 
 def run_bench(opts: BenchOptions) -> int:
-    """Run the sweep, print the tables and targets, write JSON (and PNG); 0 only if all verified."""
+    """Run the sweep, print the tables (and targets), write JSON (and PNG); 0 only if every
+    transfer was verified and no target was missed."""
     shapes = shapes_of(opts)
     chosen = [t for t in TRANSPORTS if t.name in opts.transports]
     unknown = set(opts.transports) - {t.name for t in TRANSPORTS}
@@ -580,7 +479,8 @@ def run_bench(opts: BenchOptions) -> int:
                           "transports": opts.transports, "repeat": opts.repeat, "target_bytes": opts.target_bytes,
                           "trials": opts.trials, "steal_retries": opts.steal_retries,
                           "steal_retry_at": opts.steal_retry_at,
-                          "latency_n": opts.latency_n, "quick": opts.quick, "mooncake": opts.mooncake}}
+                          "latency_n": opts.latency_n, "quick": opts.quick, "mooncake": opts.mooncake,
+                          "targets": opts.targets_path}}
     transports = {}
     for t in chosen:
         ok, reason = availability(t, opts)
@@ -600,8 +500,8 @@ def run_bench(opts: BenchOptions) -> int:
     rows, latencies, baselines = result["rows"], result["latency"], result["baselines"]
     order = {t.name: i for i, t in enumerate(TRANSPORTS)}
     rows.sort(key=lambda r: (order[r["transport"]], opts.ops.index(r["op"]), r["block"], r["count"]))
-    bl.add_ratios(rows, baselines, {t.name: t.limit for t in TRANSPORTS})
-    result["targets"] = bl.evaluate_targets(rows, latencies, transports)
+    add_ratios(rows, baselines, {t.name: t.limit for t in TRANSPORTS})
+    result["targets"] = evaluate_targets(opts.targets, result) if opts.targets else []
     result["verified"] = all(r["verified"] for r in rows) and all(x["verified"] for x in latencies)
     print_report(result)
     for path in (opts.png_path, opts.json_path):
@@ -612,7 +512,6 @@ def run_bench(opts: BenchOptions) -> int:
         print(f"PNG skipped: {skipped}" if skipped else f"plot written to {opts.png_path}")
         result["png"] = None if skipped else opts.png_path
     if opts.json_path:
-        with open(opts.json_path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, opts.json_path)
         print(f"results written to {opts.json_path}")
-    return 0 if result["verified"] and not result["errors"] else 1
+    return verdict(result)
