@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import cffi
+import cffi  # type: ignore[import-untyped, unused-ignore]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -17,12 +17,22 @@ import os
 import select
 import subprocess
 import sys
-from typing import Any, ClassVar, Dict, FrozenSet, List, Optional
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .net.addresses import format_host_port
 
-__all__ = ["EngineServer", "EngineProcess", "EngineProcessError", "GuardedRegion", "serve_json_lines",
-           "GUARD_BYTES", "GUARD_VALUE"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "GUARD_BYTES",
+    "GUARD_VALUE",
+    "EngineProcess",
+    "EngineProcessError",
+    "EngineServer",
+    "GuardedRegion",
+    "serve_json_lines",
+]
 
 GUARD_BYTES = 4096
 GUARD_VALUE = 0xA5
@@ -45,16 +55,16 @@ class GuardedRegion:
         return (self.buf.read(0, GUARD_BYTES) == expected and
                 self.buf.read(GUARD_BYTES + self.size, GUARD_BYTES) == expected)
 
-    def _length(self, offset: int, length: Optional[int]) -> int:
+    def _length(self, offset: int, length: int | None) -> int:
         return self.size - offset if length is None else length
 
-    def fill_random(self, offset: int = 0, length: Optional[int] = None) -> str:
+    def fill_random(self, offset: int = 0, length: int | None = None) -> str:
         return self.buf.fill_random(GUARD_BYTES + offset, self._length(offset, length))
 
-    def fill(self, byte: int, offset: int = 0, length: Optional[int] = None) -> None:
+    def fill(self, byte: int, offset: int = 0, length: int | None = None) -> None:
         self.buf.fill(byte, GUARD_BYTES + offset, self._length(offset, length))
 
-    def digest(self, offset: int = 0, length: Optional[int] = None) -> str:
+    def digest(self, offset: int = 0, length: int | None = None) -> str:
         return self.buf.digest(GUARD_BYTES + offset, self._length(offset, length))
 
     def read(self, offset: int, length: int) -> bytes:
@@ -68,19 +78,21 @@ class EngineServer:
     """Command handlers of an engine process.  ``COMMANDS`` names the methods a message may call
     (subclasses add theirs); a message's other keys are the keyword arguments."""
 
-    COMMANDS: ClassVar[FrozenSet[str]] = frozenset({"fill", "set", "digest", "guards", "exit"})
+    COMMANDS: ClassVar[frozenset[str]] = frozenset({"fill", "set", "digest", "guards", "exit"})
 
     def __init__(self) -> None:
         self.engine: Any = None
-        self.regions: List[GuardedRegion] = []
+        self.regions: list[GuardedRegion] = []
 
-    def start_engine(self, host: str, engine: str = "flagcx_mc", config: Optional[dict] = None,
+    def start_engine(self, host: str, engine: str = "flagcx_mc", config: dict | None = None,
                      metadata_server: str = "P2PHANDSHAKE") -> str:
         """Start flagcx_mc's engine (``config``: its settings) or Mooncake's; returns the session
         name peers use: ``host:rpc_port`` in P2P mode, ``host`` as given with a metadata server."""
         if engine == "mooncake":
             os.environ.setdefault("MC_FORCE_TCP", "1")
-            from mooncake.engine import TransferEngine as MooncakeEngine
+            from mooncake.engine import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+                TransferEngine as MooncakeEngine,
+            )
 
             self.engine = MooncakeEngine()
         else:
@@ -93,7 +105,7 @@ class EngineServer:
             return format_host_port(host, self.engine.get_rpc_port())
         return host
 
-    def add(self, region: GuardedRegion, register: bool = True, location: Optional[str] = None) -> int:
+    def add(self, region: GuardedRegion, register: bool = True, location: str | None = None) -> int:
         """Keep ``region`` (registering its usable bytes unless told not to); returns its index."""
         if register:
             args = (region.addr, region.size) if location is None else (region.addr, region.size, location)
@@ -103,18 +115,18 @@ class EngineServer:
         self.regions.append(region)
         return len(self.regions) - 1
 
-    def region_list(self) -> List[List[int]]:
+    def region_list(self) -> list[list[int]]:
         return [[r.addr, r.size] for r in self.regions]
 
-    def fill(self, region: int = 0, offset: int = 0, length: Optional[int] = None) -> dict:
+    def fill(self, region: int = 0, offset: int = 0, length: int | None = None) -> dict:
         """Random bytes into a range of a region; answers their sha256."""
         return {"digest": self.regions[region].fill_random(offset, length)}
 
-    def set(self, byte: int, region: int = 0, offset: int = 0, length: Optional[int] = None) -> dict:
+    def set(self, byte: int, region: int = 0, offset: int = 0, length: int | None = None) -> dict:
         self.regions[region].fill(byte, offset, length)
         return {}
 
-    def digest(self, region: int = 0, offset: int = 0, length: Optional[int] = None) -> dict:
+    def digest(self, region: int = 0, offset: int = 0, length: int | None = None) -> dict:
         return {"digest": self.regions[region].digest(offset, length)}
 
     def guards(self) -> dict:
@@ -131,7 +143,7 @@ class EngineServer:
         serve_json_lines(self, self.COMMANDS)
 
 
-def serve_json_lines(handler: Any, commands: FrozenSet[str]) -> None:
+def serve_json_lines(handler: Any, commands: frozenset[str]) -> None:
     """Answer one JSON command per stdin line with one JSON line on stdout, until ``exit``.
 
     A command is a method of ``handler`` named in ``commands``; its keyword arguments are the
@@ -145,7 +157,7 @@ def serve_json_lines(handler: Any, commands: FrozenSet[str]) -> None:
             if cmd not in commands:
                 raise ValueError(f"unknown command {cmd!r}")
             reply = getattr(handler, cmd)(**msg)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- every failure is the parent's to judge
             reply = {"error": f"{type(exc).__name__}: {exc}"}
             cmd = None
         out.write(json.dumps(reply) + "\n")
@@ -163,8 +175,8 @@ class EngineProcess:
     ``init`` command (``init``: its arguments; the answer holds ``session``, ``pid`` and
     ``regions``), send commands, reap it."""
 
-    def __init__(self, module: str, init: Dict[str, Any], env: Optional[Dict[str, str]] = None,
-                 start_timeout: float = 30.0, argv_prefix: Optional[List[str]] = None) -> None:
+    def __init__(self, module: str, init: dict[str, Any], env: dict[str, str] | None = None,
+                 start_timeout: float = 30.0, argv_prefix: list[str] | None = None) -> None:
         child_env = dict(os.environ)
         child_env.update(env or {})
         # Start in the directory that holds this very package, so the child imports the same
@@ -182,7 +194,7 @@ class EngineProcess:
             raise
         self.session: str = info["session"]
         self.pid: int = info["pid"]
-        self.regions: List[List[int]] = info["regions"]
+        self.regions: list[list[int]] = info["regions"]
 
     def call(self, cmd: str, timeout: float = 60.0, **kwargs: Any) -> dict:
         """Send one command and wait up to ``timeout`` seconds for its answer."""
@@ -228,7 +240,7 @@ class EngineProcess:
                 except (OSError, ValueError):
                     pass
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

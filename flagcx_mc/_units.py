@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["parse_size", "fmt_size"]
+__all__ = ["fmt_size", "parse_size"]
 
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 

@@ -11,12 +11,15 @@ import ctypes
 import hashlib
 import mmap
 import os
-from typing import Tuple
+from typing import TYPE_CHECKING
 
-__all__ = ["HostBuffer", "DeviceBuffer", "cuda_device_count"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DeviceBuffer", "HostBuffer", "cuda_device_count"]
 
 
-def cuda_device_count() -> Tuple[int, str]:
+def cuda_device_count() -> tuple[int, str]:
     """(number of CUDA devices, why there are none): 0 and the reason where there is no driver."""
     from ._core import ffi, last_error, lib
 
@@ -84,7 +87,7 @@ class HostBuffer:
             self._map.close()
             self._map = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "HostBuffer":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -115,7 +118,8 @@ class DeviceBuffer:
         self.addr = int(ptr[0])
         self.size = size
         self.device = device
-        self._staging: "HostBuffer | None" = HostBuffer(size)
+        self._staging = HostBuffer(size)
+        self._open = True
 
     def _copy(self, dst: int, src: int, length: int) -> None:
         if length:
@@ -142,10 +146,11 @@ class DeviceBuffer:
         return self._staging.digest(offset, length)
 
     def close(self) -> None:
-        if self._staging is not None:
+        """Free the GPU memory and its mirror (only once no transfer uses the buffer)."""
+        if self._open:
+            self._open = False
             if self._vmm_chunk:
                 self._lib.fmc_cuda_buffer_free_vmm(self.device, self.addr, self._mapped, self._vmm_chunk)
             else:
                 self._lib.fmc_cuda_buffer_free(self.device, self.addr)
             self._staging.close()
-            self._staging = None

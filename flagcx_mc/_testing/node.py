@@ -11,12 +11,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Dict, List, Optional
+from collections.abc import Sequence
+from typing import Any
 
-from .._process import GUARD_BYTES, GUARD_VALUE, EngineProcess, EngineProcessError, EngineServer, GuardedRegion
+from .._process import (
+    GUARD_BYTES,
+    GUARD_VALUE,
+    EngineProcess,
+    EngineProcessError,
+    EngineServer,
+    GuardedRegion,
+)
 from ..buffers import DeviceBuffer, HostBuffer
 
-__all__ = ["NodeProcess", "NodeError", "GUARD_BYTES", "GUARD_VALUE"]
+__all__ = ["GUARD_BYTES", "GUARD_VALUE", "NodeError", "NodeProcess"]
 
 NodeError = EngineProcessError
 
@@ -27,7 +35,7 @@ class _Node(EngineServer):
     COMMANDS = EngineServer.COMMANDS | {"init", "add_region", "region_info", "unregister", "register", "count_byte",
                                         "transfer", "stats"}
 
-    def init(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
+    def init(self, host: str = "127.0.0.1", regions: Sequence[int] = (), config: dict | None = None,
              engine: str = "flagcx_mc", metadata_server: str = "P2PHANDSHAKE") -> dict:
         """Start the engine: ours, or (``engine="mooncake"``) Mooncake's own, for interop and baselines."""
         session = self.start_engine(host, engine, config, metadata_server)
@@ -35,7 +43,7 @@ class _Node(EngineServer):
             self.add_region(size)
         return {"session": session, "pid": os.getpid(), "regions": self.region_list()}
 
-    def add_region(self, size: int, register: bool = True, device: Optional[int] = None, vmm_chunk: int = 0,
+    def add_region(self, size: int, register: bool = True, device: int | None = None, vmm_chunk: int = 0,
                    shareable: bool = True) -> dict:
         """A region of host memory, or of GPU memory on ``device`` (VMM memory in chunks of
         ``vmm_chunk`` bytes if > 0, see DeviceBuffer), between guard bytes."""
@@ -60,7 +68,7 @@ class _Node(EngineServer):
         r = self.regions[region]
         return {"count": r.read(0, r.size).count(bytes([byte]))}
 
-    def transfer(self, op: str, target: str, items: List[List[int]]) -> dict:
+    def transfer(self, op: str, target: str, items: list[list[int]]) -> dict:
         """items: [region, offset, remote_addr, length] each."""
         local = [self.regions[i].addr + off for i, off, _, _ in items]
         remote = [ra for _, _, ra, _ in items]
@@ -105,9 +113,9 @@ def _all_threads_stopped(pid: int) -> bool:
 class NodeProcess(EngineProcess):
     """Parent side of a node: start it, send commands, reap it."""
 
-    def __init__(self, host: str = "127.0.0.1", regions: List[int] = (), config: Optional[dict] = None,
-                 env: Optional[Dict[str, str]] = None, start_timeout: float = 30.0,
-                 argv_prefix: Optional[List[str]] = None, engine: str = "flagcx_mc",
+    def __init__(self, host: str = "127.0.0.1", regions: Sequence[int] = (), config: dict | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 30.0,
+                 argv_prefix: list[str] | None = None, engine: str = "flagcx_mc",
                  metadata_server: str = "P2PHANDSHAKE") -> None:
         super().__init__("flagcx_mc._testing.node",
                          {"host": host, "regions": list(regions), "config": config, "engine": engine,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List, Optional
 
 
 def _parse_shape(text: str) -> tuple:
@@ -113,7 +112,7 @@ def _check_results(path: str, targets) -> int:
     return verdict(result)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flagcx-mc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="two engines in two processes on 127.0.0.1: move, verify, time")

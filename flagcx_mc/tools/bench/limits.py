@@ -20,20 +20,18 @@ The ratios of measured rows against these limits are made by ``report``.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 from ... import errors
-from ._limits_cffi import ffi, lib
+from ._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 __all__ = [
     "BASELINES",
     "BaselineUnavailable",
+    "also_against",
+    "cuda_d2d_gbps",
     "measure",
     "memcpy_gbps",
-    "tcp_gbps",
     "pvm_gbps",
-    "cuda_d2d_gbps",
-    "also_against",
+    "tcp_gbps",
 ]
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
@@ -84,7 +82,7 @@ def cuda_d2d_gbps(block: int, span: int, total: int, src_device: int = 0, dst_de
     return _out(rc, gbps, "CUDA device-to-device baseline")
 
 
-def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda_devices: Tuple[int, int] = (0, 0)
+def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda_devices: tuple[int, int] = (0, 0)
             ) -> float:
     """Measure the baseline called ``name`` (one of ``BASELINES`` except ``mooncake``).
 
@@ -108,6 +106,6 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
 _ALSO_AGAINST = {"raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",)}
 
 
-def also_against(limit: str) -> Tuple[str, ...]:
+def also_against(limit: str) -> tuple[str, ...]:
     """The baselines measured and shown beside ``limit``."""
     return _ALSO_AGAINST.get(limit, ())

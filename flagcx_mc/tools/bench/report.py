@@ -11,31 +11,32 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from typing import IO, Dict, List, Optional
+from typing import IO
 
 from ..._units import fmt_size
 from .limits import BASELINES, also_against
 
-__all__ = ["add_ratios", "throughput_rows", "print_report", "draw_png", "write_json", "steal_summary", "verdict"]
+__all__ = ["add_ratios", "draw_png", "print_report", "steal_summary", "throughput_rows", "verdict", "write_json"]
 
 
-def add_ratios(rows: list, baselines: list, limit_of: Dict[str, str]) -> None:
+def add_ratios(rows: list, baselines: list, limit_of: dict[str, str]) -> None:
     """Fill each row's ``ratios`` (throughput / baseline) and ``cpu_vs_mooncake``.
 
     ``limit_of`` maps a transport name to the physical limit it is held against.  A row is held
     against the limit measured beside it (same op pass), else against any measurement of that
     shape (results written before limits were measured per op).
     """
-    base, trials = {}, {}
+    base: dict[tuple, float] = {}
+    trials: dict[tuple, list | None] = {}
     for b in baselines:
         base.setdefault((b["name"], b["block"], b["count"]), b["gbps"])
         base[(b["name"], b["block"], b["count"], b.get("op"))] = b["gbps"]
         trials[(b["name"], b["block"], b["count"], b.get("op"))] = b.get("trials_gbps")
 
-    def limit_for(name: str, r: dict) -> Optional[float]:
+    def limit_for(name: str, r: dict) -> float | None:
         return base.get((name, r["block"], r["count"], r["op"]), base.get((name, r["block"], r["count"])))
 
-    def median_ratio(mine: Optional[list], theirs: Optional[list]) -> Optional[float]:
+    def median_ratio(mine: list | None, theirs: list | None) -> float | None:
         """The same ratio between median trials: shows whether one fast or slow trial decided it."""
         if not mine or not theirs or not statistics.median(theirs):
             return None
@@ -63,17 +64,17 @@ def add_ratios(rows: list, baselines: list, limit_of: Dict[str, str]) -> None:
 def throughput_rows(rows: list, transport: str) -> list:
     """Verified rows of one transport at the largest batch of each block size (the throughput workload)."""
     mine = [r for r in rows if r["transport"] == transport and r["verified"]]
-    largest = {}
+    largest: dict[int, int] = {}
     for r in mine:
         largest[r["block"]] = max(largest.get(r["block"], 0), r["count"])
     return [r for r in mine if r["count"] == largest[r["block"]]]
 
 
-def _fmt_ratio(value: Optional[float]) -> str:
+def _fmt_ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
-def steal_summary(result: dict) -> Optional[str]:
+def steal_summary(result: dict) -> str | None:
     """One line on hypervisor steal over the run and during the worst shape, if it was measured."""
     share = result.get("host", {}).get("steal_share")
     if share is None:
@@ -88,7 +89,7 @@ def steal_summary(result: dict) -> Optional[str]:
     return line
 
 
-def print_report(result: dict, out: Optional[IO[str]] = None) -> None:
+def print_report(result: dict, out: IO[str] | None = None) -> None:
     out = out or sys.stdout  # looked up per call: a redirected sys.stdout (tests, callers) gets the report
     rows, baselines = result["rows"], result["baselines"]
     columns = [b for b in BASELINES if any(b in r["ratios"] for r in rows)]
@@ -110,7 +111,7 @@ def print_report(result: dict, out: Optional[IO[str]] = None) -> None:
         for x in result["latency"]:
             print(f"{x['transport']:<16} {x['n'] or 0:>5} {x['p50_us'] or 0:>8.1f} {x['p99_us'] or 0:>8.1f} "
                   f"{x['mean_us'] or 0:>8.1f}  {'yes' if x['verified'] else 'NO'}", file=out)
-    print("", file=out)
+    print(file=out)
     for name, info in result["transports"].items():
         if not info["available"]:
             print(f"{name}: {info['reason']}", file=out)
@@ -125,7 +126,7 @@ def print_report(result: dict, out: Optional[IO[str]] = None) -> None:
     if steal_line:
         print(steal_line, file=out)
     if result.get("targets"):
-        print("", file=out)
+        print(file=out)
         for t in result["targets"]:
             measured = "" if t["measured"] is None else f"{t['measured']:.2f} (threshold {t['threshold']})"
             print(f"{t['status']:<4} {t['name']}: {measured}{'  ' if measured else ''}{t['detail']}", file=out)
@@ -134,13 +135,13 @@ def print_report(result: dict, out: Optional[IO[str]] = None) -> None:
           else f"{len(bad)} measurement(s) NOT verified, {len(result['errors'])} error(s)", file=out)
 
 
-def draw_png(result: dict, path: str) -> Optional[str]:
+def draw_png(result: dict, path: str) -> str | None:
     """Throughput vs block size (largest batch per block); returns why it was skipped, or None."""
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib)"
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -149,11 +150,11 @@ def draw_png(result: dict, path: str) -> Optional[str]:
         for op in dict.fromkeys(r["op"] for r in picked):
             pts = sorted((r["block"], r["gbps"]) for r in picked if r["op"] == op)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{transport} {op}")
-    largest: Dict[int, int] = {}
+    largest: dict[int, int] = {}
     for b in result["baselines"]:
         largest[b["block"]] = max(largest.get(b["block"], 0), b["count"])
     for name in dict.fromkeys(b["name"] for b in result["baselines"]):
-        per_block: Dict[int, List[float]] = {}  # one value per op pass: their mean
+        per_block: dict[int, list[float]] = {}  # one value per op pass: their mean
         for b in result["baselines"]:
             if b["name"] == name and b["count"] == largest[b["block"]]:
                 per_block.setdefault(b["block"], []).append(b["gbps"])

@@ -28,17 +28,17 @@ import platform
 import sys
 import tempfile
 import time
-from typing import IO, Dict, List, Optional, Tuple
+from typing import IO
 
 from ..._process import EngineProcessError
-from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from ..._units import fmt_size
+from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from . import limits as bl
 from .report import add_ratios, draw_png, print_report, verdict, write_json
 from .targets import TargetSet, evaluate_targets
 from .worker import WorkerProcess
 
-__all__ = ["BenchOptions", "Transport", "TRANSPORTS", "run_bench"]
+__all__ = ["TRANSPORTS", "BenchOptions", "Transport", "run_bench"]
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_BLOCKS = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -63,7 +63,7 @@ class Transport:
     summary: str
 
 
-TRANSPORTS: Tuple[Transport, ...] = (
+TRANSPORTS: tuple[Transport, ...] = (
     Transport("tcp", "flagcx_mc", "host", "tcp", "raw socket", "native TCP, host memory"),
     Transport("same-host", "flagcx_mc", "host", "same-host", "raw pvm", "same host, any registered memory"),
     Transport("same-host-shm", "flagcx_mc", "managed", "same-host", "memcpy", "same host, shared buffers"),
@@ -74,12 +74,12 @@ TRANSPORTS: Tuple[Transport, ...] = (
 
 @dataclasses.dataclass
 class BenchOptions:
-    blocks: List[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BLOCKS))
-    batches: List[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BATCHES))
-    ops: List[str] = dataclasses.field(default_factory=lambda: ["write", "read"])
-    transports: List[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS])
+    blocks: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BLOCKS))
+    batches: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BATCHES))
+    ops: list[str] = dataclasses.field(default_factory=lambda: ["write", "read"])
+    transports: list[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS])
     streams: int = dataclasses.field(default_factory=lambda: EngineConfig.from_env().streams_per_peer)
-    repeat: Optional[int] = None        # timed batches per trial; None: enough for target_bytes
+    repeat: int | None = None        # timed batches per trial; None: enough for target_bytes
     target_bytes: int = 256 * MiB       # bytes per trial when repeat is None
     trials: int = 5                     # timed loops per row; the row reports the fastest
     steal_retries: int = 2              # passes more for a shape that ran with steal_retry_at or more
@@ -87,22 +87,22 @@ class BenchOptions:
     max_repeat: int = 1000
     latency_n: int = 2000
     mooncake: bool = True
-    json_path: Optional[str] = "bench-results/bench.json"
-    png_path: Optional[str] = "bench-results/bench.png"
+    json_path: str | None = "bench-results/bench.json"
+    png_path: str | None = "bench-results/bench.png"
     verbose: bool = False
     quick: bool = False
-    targets: Optional[TargetSet] = None  # checked against the result (targets.load_targets)
-    targets_path: Optional[str] = None   # where they came from, for the JSON
+    targets: TargetSet | None = None  # checked against the result (targets.load_targets)
+    targets_path: str | None = None   # where they came from, for the JSON
 
     @classmethod
-    def quick_options(cls, **overrides) -> "BenchOptions":
-        values = dict(blocks=list(QUICK_BLOCKS), batches=list(QUICK_BATCHES), target_bytes=32 * MiB,
-                      latency_n=1000, quick=True)
+    def quick_options(cls, **overrides) -> BenchOptions:
+        values: dict = {"blocks": list(QUICK_BLOCKS), "batches": list(QUICK_BATCHES), "target_bytes": 32 * MiB,
+                        "latency_n": 1000, "quick": True}
         values.update(overrides)
         return cls(**values)
 
 
-def shapes_of(opts: BenchOptions) -> List[Tuple[int, int]]:
+def shapes_of(opts: BenchOptions) -> list[tuple[int, int]]:
     """(block, count) pairs of the sweep: every block with every batch size, capped at MAX_BATCH_BYTES."""
     shapes = {(b, min(n, max(1, MAX_BATCH_BYTES // b))) for b in opts.blocks for n in opts.batches}
     return sorted(shapes)
@@ -120,7 +120,7 @@ def reps_of(opts: BenchOptions, span: int) -> int:
 def _engine_config(t: Transport, streams: int) -> dict:
     from ...config import EngineConfig
 
-    config = {"streams_per_peer": streams}
+    config: dict = {"streams_per_peer": streams}
     if TRANSPORT_SETTING in {f.name for f in dataclasses.fields(EngineConfig)}:
         config[TRANSPORT_SETTING] = t.selector
     elif t.selector != "tcp":
@@ -128,7 +128,7 @@ def _engine_config(t: Transport, streams: int) -> dict:
     return config
 
 
-def availability(t: Transport, opts: BenchOptions) -> Tuple[bool, str]:
+def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
     """Whether this build and machine can run the transport, and why not."""
     if t.engine == "mooncake":
         if not opts.mooncake:
@@ -149,7 +149,7 @@ def availability(t: Transport, opts: BenchOptions) -> Tuple[bool, str]:
         from ...config import EngineConfig
 
         EngineConfig.from_env(**_engine_config(t, opts.streams))
-    except Exception as exc:  # an unknown setting or value: the build lacks this transport
+    except Exception as exc:  # noqa: BLE001 -- an unknown setting or value: the build lacks this transport
         text = str(exc)
         return False, text if text.startswith("not available") else f"not available in this build ({text})"
     return True, ""
@@ -171,7 +171,7 @@ class _Progress:
 
 
 @contextlib.contextmanager
-def _stderr_to(log: Optional[IO[str]]):
+def _stderr_to(log: IO[str] | None):
     """Children started inside inherit ``log`` as their stderr (Mooncake's glog ignores its env knobs)."""
     if log is None:
         yield
@@ -187,7 +187,7 @@ def _stderr_to(log: Optional[IO[str]]):
         os.close(saved)
 
 
-def _start(t: Transport, opts: BenchOptions, size: int, log: Optional[IO[str]]):
+def _start(t: Transport, opts: BenchOptions, size: int, log: IO[str] | None):
     """Target and initiator processes of one transport."""
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
     config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
@@ -221,7 +221,7 @@ def _run_trial(op: str, block: int, count: int, reps: int, target, initiator) ->
                           block=block, count=count, reps=reps, trials=1, warmup=1)
 
 
-def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs: List[dict], target,
+def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs: list[dict], target,
                 initiator) -> dict:
     """Checksum the destination after the trials; the row reports the fastest trial."""
     span = block * count
@@ -263,8 +263,8 @@ def _measure_latency(t: Transport, n: int, target, initiator) -> dict:
     return out
 
 
-def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[str], progress: _Progress,
-             result: dict, log: Optional[IO[str]]) -> None:
+def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[str], progress: _Progress,
+             result: dict, log: IO[str] | None) -> None:
     """Start every transport's processes, then measure shape by shape (``_measure_shape``: the
     physical limits and the transports trial by trial in turn), then the latency test.
 
@@ -272,7 +272,7 @@ def _run_all(running: List[Transport], opts: BenchOptions, shapes, limits: List[
     machine shared with other work.  Idle engines (Mooncake's too) use no CPU.
     """
     size = max(b * n for b, n in shapes)
-    procs: Dict[str, tuple] = {}
+    procs: dict[str, tuple] = {}
 
     def stop(t: Transport, exc: BaseException) -> None:
         if t.engine == "mooncake" and ("ImportError" in str(exc) or "ModuleNotFoundError" in str(exc)):
@@ -324,7 +324,7 @@ class StealClock:
         self.path = path
         self.start = self.ticks()
 
-    def ticks(self) -> Optional[Tuple[int, int]]:
+    def ticks(self) -> tuple[int, int] | None:
         """(steal, all) ticks of the first line: user nice system idle iowait irq softirq steal."""
         try:
             with open(self.path) as f:
@@ -333,7 +333,7 @@ class StealClock:
             return None
         return (fields[7], sum(fields)) if len(fields) == 8 else None
 
-    def share(self) -> Optional[float]:
+    def share(self) -> float | None:
         """Steal over all CPU time since this clock started."""
         now = self.ticks()
         if now is None or self.start is None or now[1] <= self.start[1]:
@@ -345,22 +345,22 @@ class StealClock:
 class _Attempt:
     """One pass of a shape's trial rounds: each limit's and each transport's trials, and the
     hypervisor steal while they ran."""
-    limit_gbps: Dict[str, List[float]]
-    runs: Dict[str, List[dict]]
-    steal: Optional[float]
+    limit_gbps: dict[str, list[float]]
+    runs: dict[str, list[dict]]
+    steal: float | None
 
     def failed(self) -> bool:
         return any(r["rc"] != 0 for runs in self.runs.values() for r in runs)
 
 
-def _trial_rounds(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
-                  limits: List[str], opts: BenchOptions, result: dict, stop) -> _Attempt:
+def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs: dict[str, tuple],
+                  limits: list[str], opts: BenchOptions, result: dict, stop) -> _Attempt:
     """Round k measures each limit once, then runs each transport's k-th timed loop."""
     span = block * count
     reps = reps_of(opts, span)
     limit_bytes = _limit_bytes(span, reps)
-    limit_gbps: Dict[str, List[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
-    runs: Dict[str, List[dict]] = {t.name: [] for t in live}
+    limit_gbps: dict[str, list[float]] = {name: [] for name in limits if name not in result["baselines_missing"]}
+    runs: dict[str, list[dict]] = {t.name: [] for t in live}
     steal = StealClock()
     for _ in range(opts.trials):
         for name in list(limit_gbps):
@@ -383,8 +383,8 @@ def _limit_bytes(span: int, reps: int) -> int:
     return max(span * reps, 64 * MiB)
 
 
-def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs: Dict[str, tuple],
-                   limits: List[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
+def _measure_shape(op: str, block: int, count: int, live: list[Transport], procs: dict[str, tuple],
+                   limits: list[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
     """Every limit and every transport at one shape and op, trial by trial in turn (``_trial_rounds``).
     Load that comes and goes on a shared machine then falls on both sides of every ratio alike;
     each side reports its best.  Hypervisor steal does not fall alike (a batch-synchronous engine
@@ -394,14 +394,14 @@ def _measure_shape(op: str, block: int, count: int, live: List[Transport], procs
     which a transfer failed is never measured over."""
     span = block * count
     reps = reps_of(opts, span)
-    expects: Dict[str, str] = {}
+    expects: dict[str, str] = {}
     for t in live:
         try:
             expects[t.name] = _prepare_row(op, span, *procs[t.name])
         except (EngineProcessError, OSError) as exc:
             stop(t, exc)
     live = [t for t in live if t.name in expects]
-    attempts: List[_Attempt] = []
+    attempts: list[_Attempt] = []
     for attempt in range(1 + max(0, opts.steal_retries)):
         attempts.append(_trial_rounds(op, block, count, live, procs, limits, opts, result, stop))
         share = attempts[-1].steal
@@ -453,7 +453,7 @@ def _host_info() -> dict:
 
         dists = packages_distributions().get("mooncake", [])
         mooncake_version = f"{dists[0]} {version(dists[0])}" if dists else None
-    except Exception:  # metadata is informative only
+    except Exception:  # noqa: BLE001, S110 -- metadata is informative only
         pass
     # Loopback connections of flagcx_mc and of the raw-socket limit use the local congestion
     # control; Mooncake's use the host's default.
@@ -473,7 +473,7 @@ def run_bench(opts: BenchOptions) -> int:
         print(f"unknown transport(s): {', '.join(sorted(unknown))}; known: {', '.join(t.name for t in TRANSPORTS)}",
               file=sys.stderr)
         return 2
-    result = {"schema": SCHEMA, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result: dict = {"schema": SCHEMA, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": _host_info(), "errors": [],
               "options": {"blocks": opts.blocks, "batches": opts.batches, "ops": opts.ops, "streams": opts.streams,
                           "transports": opts.transports, "repeat": opts.repeat, "target_bytes": opts.target_bytes,

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 from ..._units import fmt_size
 from .limits import BASELINES
 from .report import throughput_rows
 
-__all__ = ["Target", "TargetSet", "TargetsError", "load_targets", "evaluate_targets", "METRIC_KINDS"]
+__all__ = ["METRIC_KINDS", "Target", "TargetSet", "TargetsError", "evaluate_targets", "load_targets"]
 
 METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio")
 
@@ -45,18 +46,18 @@ class Target:
     better: str  # "higher" or "lower"
 
     @property
-    def parts(self) -> Tuple[str, str, str]:
+    def parts(self) -> tuple[str, str, str]:
         kind, transport, against = self.metric.split(":", 2)
         return kind, transport, against
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetSet:
-    targets: Tuple[Target, ...]
-    note_steal_from: Optional[float] = None
+    targets: tuple[Target, ...]
+    note_steal_from: float | None = None
 
 
-def _check(target: Target, transports: Tuple[str, ...]) -> None:
+def _check(target: Target, transports: tuple[str, ...]) -> None:
     parts = target.metric.split(":")
     if len(parts) != 3 or parts[0] not in METRIC_KINDS:
         raise TargetsError(f"{target.name!r}: metric {target.metric!r} is not kind:transport:against with kind one "
@@ -74,7 +75,7 @@ def _check(target: Target, transports: Tuple[str, ...]) -> None:
         raise TargetsError(f"{target.name!r}: better must be 'higher' or 'lower', not {target.better!r}")
 
 
-def load_targets(path: str, transports: Tuple[str, ...]) -> TargetSet:
+def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
     """Read and check a targets file; ``transports``: the transport names a metric may use.
 
     Raises:
@@ -94,7 +95,7 @@ def load_targets(path: str, transports: Tuple[str, ...]) -> TargetSet:
         data = {"targets": data}
     if not isinstance(data, dict) or not isinstance(data.get("targets"), list) or not data["targets"]:
         raise TargetsError(f"{path}: expected a non-empty list of targets (or an object with one under 'targets')")
-    found: List[Target] = []
+    found: list[Target] = []
     for item in data["targets"]:
         try:
             target = Target(name=str(item["name"]), metric=str(item["metric"]), threshold=float(item["threshold"]),
@@ -124,12 +125,12 @@ def _why_not(result: dict, *names: str) -> str:
     return f"no {names[-1]} measurement"
 
 
-def _mooncake_transports(result: dict) -> List[str]:
+def _mooncake_transports(result: dict) -> list[str]:
     return [name for name, info in result.get("transports", {}).items() if name.startswith("mooncake")] or [
         "mooncake-tcp"]
 
 
-def _values(target: Target, result: dict) -> Tuple[List[Tuple[float, dict]], str]:
+def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str]:
     """(value, row) pairs the target is judged on, and why there are none."""
     kind, transport, against = target.parts
     if kind == "p50_latency_ratio":
@@ -138,24 +139,24 @@ def _values(target: Target, result: dict) -> Tuple[List[Tuple[float, dict]], str
             return [(lat[transport]["p50_us"] / lat[against]["p50_us"], {})], ""
         return [], _why_not(result, transport, against)
     rows = throughput_rows(result.get("rows", []), transport)
-    value_of: Callable[[dict], Optional[float]]
+    value_of: Callable[[dict], float | None]
     if kind == "cpu_ratio":
-        value_of = lambda r: r.get("cpu_vs_mooncake")  # noqa: E731
+        value_of = lambda r: r.get("cpu_vs_mooncake")
     else:
-        value_of = lambda r: r.get("ratios", {}).get(against)  # noqa: E731
+        value_of = lambda r: r.get("ratios", {}).get(against)
     values = [(v, r) for r in rows if (v := value_of(r)) is not None]
     others = _mooncake_transports(result) if against == "mooncake" else [against]
     return values, "" if values else _why_not(result, transport, *others)
 
 
-def evaluate_targets(targets: TargetSet, result: dict) -> List[dict]:
+def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
     """Each target against a bench result (rows with their ratios, latencies, transports):
     ``{"name", "metric", "status" (PASS, MISS or N/A), "measured" (the worst value), "threshold",
     "better", "detail", "measured_median", "steal"}``."""
     out = []
     for t in targets.targets:
         values, why = _values(t, result)
-        entry: Dict[str, Any] = {"name": t.name, "metric": t.metric, "threshold": t.threshold, "better": t.better,
+        entry: dict[str, Any] = {"name": t.name, "metric": t.metric, "threshold": t.threshold, "better": t.better,
                                  "measured_median": None, "steal": None}
         if not values:
             entry.update(status="N/A", measured=None, detail=why)

@@ -16,11 +16,10 @@ import math
 import os
 import resource
 import time
-from typing import Dict, List, Optional
 
 from ..._process import GUARD_BYTES, EngineProcess, EngineServer, GuardedRegion
 
-__all__ = ["WorkerProcess", "MEMORY_KINDS"]
+__all__ = ["MEMORY_KINDS", "WorkerProcess"]
 
 # host: private anonymous memory (HostBuffer); managed: the engine's registered shared memory
 # (allocate_managed_buffer); cuda: device memory on GPU 0 (DeviceBuffer).
@@ -55,7 +54,7 @@ class _MappedRange:
         pass
 
 
-def _percentile(sorted_values: List[float], q: float) -> float:
+def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list."""
     rank = max(1, math.ceil(q * len(sorted_values)))
     return sorted_values[rank - 1]
@@ -74,10 +73,10 @@ class _Worker(EngineServer):
 
     def __init__(self) -> None:
         super().__init__()
-        self.managed: Optional[_MappedRange] = None
+        self.managed: _MappedRange | None = None
 
     def init(self, engine: str = "flagcx_mc", host: str = "127.0.0.1", size: int = 1 << 20,
-             memory: str = "host", config: Optional[dict] = None) -> dict:
+             memory: str = "host", config: dict | None = None) -> dict:
         """Start the engine and register ``size`` bytes of ``memory`` (region 0)."""
         if memory not in MEMORY_KINDS:
             raise ValueError(f"memory must be one of {MEMORY_KINDS}")
@@ -120,7 +119,7 @@ class _Worker(EngineServer):
             rc = fn(target, local, remote_addrs, lengths)
             if rc != 0:
                 return {"rc": rc, "trials": [], "where": "warm-up"}
-        results: List[dict] = []
+        results: list[dict] = []
         rc = 0
         for _ in range(trials):
             done = 0
@@ -145,7 +144,7 @@ class _Worker(EngineServer):
             rc = fn(target, addr, remote, size)
             if rc != 0:
                 return {"rc": rc, "n": 0, "where": "warm-up"}
-        samples: List[float] = []
+        samples: list[float] = []
         rc = 0
         cpu0 = _cpu_seconds()
         t_all = time.perf_counter()
@@ -175,7 +174,7 @@ class WorkerProcess(EngineProcess):
     """Parent side of a bench worker: ``call``, ``addr``, ``close`` and ``kill``; its one region is 0."""
 
     def __init__(self, engine: str = "flagcx_mc", size: int = 1 << 20, memory: str = "host",
-                 config: Optional[dict] = None, env: Optional[Dict[str, str]] = None, host: str = "127.0.0.1",
+                 config: dict | None = None, env: dict[str, str] | None = None, host: str = "127.0.0.1",
                  start_timeout: float = 30.0) -> None:
         super().__init__("flagcx_mc.tools.bench.worker",
                          {"engine": engine, "host": host, "size": size, "memory": memory, "config": config},
