@@ -124,15 +124,11 @@ int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const
 int fmc_transfer_one(fmc_peer *peer, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t timeout_ms);
 int fmc_transfer_packed(fmc_peer *peer, int opcode, int n, const char *packed, int64_t timeout_ms);
 
-/* baselines (bench only) */
-int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_cuda_devices(int *count_out);
-int fmc_baseline_cuda_alloc(int device, uint64_t size, uint64_t *ptr_out);
-int fmc_baseline_cuda_free(int device, uint64_t ptr);
-int fmc_baseline_cuda_alloc_vmm(int device, uint64_t size, uint64_t chunk, int shareable, uint64_t *ptr_out);
-int fmc_baseline_cuda_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk);
-int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len);
-int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64_t span, uint64_t total,
-                          int wait_each_batch, double *gbps_out);
+/* device buffers: GPU memory without a framework (flagcx_mc.buffers.DeviceBuffer), through the
+ * core's libcuda; FMC_ERR_NOT_IMPLEMENTED where there is no driver */
+int fmc_cuda_device_count(int *count_out);
+int fmc_cuda_buffer_alloc(int device, uint64_t size, uint64_t *ptr_out);
+int fmc_cuda_buffer_alloc_vmm(int device, uint64_t size, uint64_t chunk, int shareable, uint64_t *ptr_out);
+int fmc_cuda_buffer_free(int device, uint64_t ptr);
+int fmc_cuda_buffer_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk);
+int fmc_cuda_buffer_copy(int device, uint64_t dst, uint64_t src, uint64_t len);

@@ -1,4 +1,5 @@
-"""Page-aligned host buffers with a stable address, for examples, tests and the benchmark.
+"""Buffers with a stable address, for examples, tests and the benchmark: host memory, and GPU
+memory allocated by the core's own CUDA code (no torch or cupy needed).
 
 Transfers take raw addresses (as Mooncake's API does); this gives Python code memory whose
 address it can hand out, fill with random bytes and checksum without copying through Python.
@@ -10,8 +11,22 @@ import ctypes
 import hashlib
 import mmap
 import os
+from typing import TYPE_CHECKING
 
-__all__ = ["HostBuffer", "DeviceBuffer"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DeviceBuffer", "HostBuffer", "cuda_device_count"]
+
+
+def cuda_device_count() -> tuple[int, str]:
+    """(number of CUDA devices, why there are none): 0 and the reason where there is no driver."""
+    from ._core import ffi, last_error, lib
+
+    count = ffi.new("int *")
+    if lib.fmc_cuda_device_count(count) < 0:
+        return 0, last_error() or "no CUDA driver"
+    return int(count[0]), "" if count[0] else "no CUDA device"
 
 
 class HostBuffer:
@@ -72,7 +87,7 @@ class HostBuffer:
             self._map.close()
             self._map = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "HostBuffer":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -81,7 +96,8 @@ class HostBuffer:
 
 class DeviceBuffer:
     """GPU memory (cuMemAlloc through the core's dlopen'ed libcuda) with a host mirror, so tests
-    and the benchmark can fill, clear and checksum it without torch or cupy.
+    and the benchmark can fill, clear and checksum it without torch or cupy.  Copies to and from
+    the mirror run on the core's copy stream of ``device`` and return once landed.
 
     ``vmm_chunk`` > 0: VMM memory instead, as torch's expandable segments make it (one cuMemCreate
     allocation per chunk of that many bytes, side by side; ``size`` is rounded up to whole chunks),
@@ -95,18 +111,19 @@ class DeviceBuffer:
         self._vmm_chunk = vmm_chunk
         self._mapped = -(-size // vmm_chunk) * vmm_chunk if vmm_chunk else size
         if vmm_chunk:
-            _raise_for(lib.fmc_baseline_cuda_alloc_vmm(device, self._mapped, vmm_chunk, int(shareable), ptr),
+            _raise_for(lib.fmc_cuda_buffer_alloc_vmm(device, self._mapped, vmm_chunk, int(shareable), ptr),
                        "cannot allocate VMM GPU memory")
         else:
-            _raise_for(lib.fmc_baseline_cuda_alloc(device, size, ptr), "cannot allocate GPU memory")
+            _raise_for(lib.fmc_cuda_buffer_alloc(device, size, ptr), "cannot allocate GPU memory")
         self.addr = int(ptr[0])
         self.size = size
         self.device = device
-        self._staging: "HostBuffer | None" = HostBuffer(size)
+        self._staging = HostBuffer(size)
+        self._open = True
 
     def _copy(self, dst: int, src: int, length: int) -> None:
         if length:
-            self._raise(self._lib.fmc_baseline_cuda_copy(self.device, dst, src, length), "cuMemcpy failed")
+            self._raise(self._lib.fmc_cuda_buffer_copy(self.device, dst, src, length), "GPU copy failed")
 
     def fill_random(self, offset: int = 0, length: int | None = None) -> str:
         length = self.size - offset if length is None else length
@@ -129,10 +146,11 @@ class DeviceBuffer:
         return self._staging.digest(offset, length)
 
     def close(self) -> None:
-        if self._staging is not None:
+        """Free the GPU memory and its mirror (only once no transfer uses the buffer)."""
+        if self._open:
+            self._open = False
             if self._vmm_chunk:
-                self._lib.fmc_baseline_cuda_free_vmm(self.device, self.addr, self._mapped, self._vmm_chunk)
+                self._lib.fmc_cuda_buffer_free_vmm(self.device, self.addr, self._mapped, self._vmm_chunk)
             else:
-                self._lib.fmc_baseline_cuda_free(self.device, self.addr)
+                self._lib.fmc_cuda_buffer_free(self.device, self.addr)
             self._staging.close()
-            self._staging = None

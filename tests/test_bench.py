@@ -12,18 +12,31 @@ import uuid
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import ffi, lib
+from flagcx_mc._fmc_cffi import lib as core_lib  # type: ignore[import-not-found]
+from flagcx_mc.tools.bench._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 from flagcx_mc import errors
+from flagcx_mc._units import fmt_size, parse_size
+from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
 from flagcx_mc.config import EngineConfig
 from flagcx_mc.tools.bench import limits as bl
+from flagcx_mc.tools.bench import report
 from flagcx_mc.tools.bench import runner as bench
+from flagcx_mc.tools.bench import targets as tg
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 MiB = 1 << 20
+PROJECT_TARGETS = ROOT / "docs" / "bench" / "targets.json"
+TRANSPORT_NAMES = tuple(t.name for t in bench.TRANSPORTS)
+
+
+def _project_targets(rows: list, latency: list, transports: dict) -> list:
+    """The project's own targets (docs/bench/targets.json) over rows, latencies and transports."""
+    targets = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
+    return tg.evaluate_targets(targets, {"rows": rows, "latency": latency, "transports": transports})
 
 
 def _processes_with_env(token: str) -> list:
@@ -51,7 +64,7 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 55) -> tuple:
             *args]
     try:
         # Run outside the source tree so the installed package (with its compiled core) is imported.
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT / "examples", env=env)
+        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT / "examples", env=env)
     finally:
         deadline = time.monotonic() + 10
         while _processes_with_env(token) and time.monotonic() < deadline:
@@ -70,8 +83,11 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 55) -> tuple:
 def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     proc, data = _bench(tmp_path, "--blocks", "4k,256k", "--batch", "8", "--repeat", "1", "--trials", "2",
                         "--latency-n", "1000",
-                        "--transports", "tcp,same-host,same-host-shm,gpu,mooncake-tcp")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+                        "--transports", "tcp,same-host,same-host-shm,gpu,mooncake-tcp",
+                        "--targets", str(PROJECT_TARGETS))
+    # Exit code 1 only for a missed target: a tiny run on a shared machine may miss one.
+    missed = data is not None and any(t["status"] == "MISS" for t in data["targets"])
+    assert proc.returncode == (1 if missed else 0), proc.stdout + proc.stderr
     assert "all transfers verified by sha256" in proc.stdout
     assert data["schema"] == bench.SCHEMA and data["verified"] is True and data["errors"] == []
     # The engine's stream count (the raw socket's too) and the congestion controls are stated.
@@ -130,8 +146,10 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
 
 def test_no_mooncake_is_reported_and_progress_goes_to_stderr(tmp_path):
     proc, data = _bench(tmp_path, "--blocks", "64k", "--batch", "2", "--repeat", "1", "--ops", "write",
-                        "--latency-n", "1000", "--transports", "tcp,mooncake-tcp", "--no-mooncake", "--png", "")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+                        "--latency-n", "1000", "--transports", "tcp,mooncake-tcp", "--no-mooncake", "--png", "",
+                        "--targets", str(PROJECT_TARGETS))
+    missed = any(t["status"] == "MISS" for t in data["targets"])
+    assert proc.returncode == (1 if missed else 0), proc.stdout + proc.stderr
     assert data["transports"]["mooncake-tcp"] == {**data["transports"]["mooncake-tcp"], "available": False,
                                                   "reason": "skipped (--no-mooncake)"}
     assert [r["transport"] for r in data["rows"]] == ["tcp"]
@@ -158,7 +176,15 @@ def test_transport_without_a_setting_is_not_available():
 def test_shapes_cap_batches_at_64_mib():
     opts = bench.BenchOptions(blocks=[4096, 64 * MiB], batches=[1, 1024])
     assert bench.shapes_of(opts) == [(4096, 1), (4096, 1024), (64 * MiB, 1)]
-    assert bench.parse_size("4k") == 4096 and bench.parse_size("64MiB") == 64 * MiB
+
+
+def test_sizes_parse_and_format_in_binary_units():
+    assert parse_size("4k") == 4096 and parse_size("64MiB") == 64 * MiB and parse_size(" 512b ") == 512
+    assert parse_size("1G") == 1 << 30 and fmt_size(1 << 30) == "1 GiB" and fmt_size(3 * 4096) == "12 KiB"
+    assert fmt_size(1000) == "1000 B" and fmt_size(0) == "0 B"
+    for bad in ("", "k", "4x", "-4k", "1.5m"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
 
 
 def test_ratios_use_the_limit_measured_beside_the_row():
@@ -166,11 +192,11 @@ def test_ratios_use_the_limit_measured_beside_the_row():
              "verified": True, "ratios": {}, "cpu_s_per_gib": None} for op in ("write", "read")]
     baselines = [{"name": "raw socket", "op": "write", "block": 4096, "count": 8, "gbps": 4.0},
                  {"name": "raw socket", "op": "read", "block": 4096, "count": 8, "gbps": 1.0}]
-    bl.add_ratios(rows, baselines, {"tcp": "raw socket"})
+    report.add_ratios(rows, baselines, {"tcp": "raw socket"})
     assert [r["ratios"]["raw socket"] for r in rows] == [0.5, 2.0]
     # Results from before limits were measured per op pass: any measurement of the shape.
     old = [dict(rows[1], ratios={})]
-    bl.add_ratios(old, [{"name": "raw socket", "block": 4096, "count": 8, "gbps": 8.0}], {"tcp": "raw socket"})
+    report.add_ratios(old, [{"name": "raw socket", "block": 4096, "count": 8, "gbps": 8.0}], {"tcp": "raw socket"})
     assert old[0]["ratios"]["raw socket"] == 0.25
 
 
@@ -180,20 +206,20 @@ def test_a_target_also_shows_its_worst_row_between_median_trials():
            "trials_gbps": [5.9, 5.7, 5.8, 5.9, 5.7], "verified": True, "ratios": {}, "cpu_s_per_gib": None}
     raw = {"name": "raw socket", "op": "write", "block": 4096, "count": 1024, "gbps": 7.1,
            "trials_gbps": [7.1, 6.4, 5.5, 6.2, 6.6]}
-    bl.add_ratios([row], [raw], {"tcp": "raw socket"})
+    report.add_ratios([row], [raw], {"tcp": "raw socket"})
     assert row["ratios"]["raw socket"] == pytest.approx(5.9 / 7.1)
     assert row["median_ratios"]["raw socket"] == pytest.approx(5.8 / 6.4)
     avail = {"tcp": {"available": True}}
-    target = {t["name"]: t for t in bl.evaluate_targets([row], [], avail)}[
+    target = {t["name"]: t for t in _project_targets([row], [], avail)}[
         "native TCP >= 85% of the raw socket (same streams)"]
     assert target["status"] == "MISS"  # the verdict still compares the fastest trials
     assert target["measured_median"] == pytest.approx(5.8 / 6.4)
     assert target["detail"].endswith("median trials 0.91")
     # A limit without trials (older results) gives no median ratio, and no suffix.
     old = dict(row, ratios={}, median_ratios={})
-    bl.add_ratios([old], [dict(raw, trials_gbps=None)], {"tcp": "raw socket"})
+    report.add_ratios([old], [dict(raw, trials_gbps=None)], {"tcp": "raw socket"})
     assert old["median_ratios"]["raw socket"] is None
-    assert "median" not in bl.evaluate_targets([old], [], avail)[1]["detail"]
+    assert "median" not in _project_targets([old], [], avail)[1]["detail"]
 
 
 def test_steal_is_measured_from_proc_stat_and_named_beside_a_target(tmp_path):
@@ -211,15 +237,15 @@ def test_steal_is_measured_from_proc_stat_and_named_beside_a_target(tmp_path):
     row = {"transport": "tcp", "engine": "flagcx_mc", "op": "read", "block": 4096, "count": 1024, "gbps": 2.0,
            "trials_gbps": [2.0], "verified": True, "ratios": {}, "cpu_s_per_gib": None, "steal": 0.23}
     raw = {"name": "raw socket", "op": "read", "block": 4096, "count": 1024, "gbps": 4.0, "trials_gbps": [4.0]}
-    bl.add_ratios([row], [raw], {"tcp": "raw socket"})
+    report.add_ratios([row], [raw], {"tcp": "raw socket"})
     avail = {"tcp": {"available": True}}
-    target = bl.evaluate_targets([row], [], avail)[1]
+    target = _project_targets([row], [], avail)[1]
     assert target["status"] == "MISS" and target["detail"].endswith("hypervisor steal 23% during that shape")
-    calm = bl.evaluate_targets([dict(row, steal=0.01)], [], avail)[1]
+    calm = _project_targets([dict(row, steal=0.01)], [], avail)[1]
     assert "steal" not in calm["detail"]
-    summary = bench._steal_summary({"host": {"steal_share": 0.04}, "rows": [row, dict(row, steal=0.01)]})
+    summary = report.steal_summary({"host": {"steal_share": 0.04}, "rows": [row, dict(row, steal=0.01)]})
     assert summary == "hypervisor steal: 4% of CPU time over the run (most: 23% during read 4 KiB x1024)"
-    assert bench._steal_summary({"host": {}, "rows": [row]}) is None
+    assert report.steal_summary({"host": {}, "rows": [row]}) is None
 
 
 @pytest.mark.timeout(120)
@@ -266,7 +292,7 @@ def test_targets_report_the_worst_row():
            {"transport": "mooncake-tcp", "verified": True, "p50_us": 40.0}]
     avail = {"tcp": {"available": True}, "mooncake-tcp": {"available": True},
              "gpu": {"available": False, "reason": "not available on this machine (no CUDA device)"}}
-    targets = {t["name"]: t for t in bl.evaluate_targets(rows, lat, avail)}
+    targets = {t["name"]: t for t in _project_targets(rows, lat, avail)}
     t = targets["native TCP >= 2x Mooncake at every block size"]
     assert t["status"] == "MISS" and t["measured"] == 1.5 and "1 MiB" in t["detail"]
     assert targets["native TCP >= 85% of the raw socket (same streams)"]["status"] == "PASS"
@@ -297,7 +323,7 @@ def test_odd_totals_and_single_stream():
 
 def test_baselines_refuse_bad_arguments():
     out = ffi.new("double *")
-    bad = lib.FMC_ERR_INVALID_ARGUMENT
+    bad = core_lib.FMC_ERR_INVALID_ARGUMENT
     for rc in (
         lib.fmc_baseline_memcpy(0, 4096, 4096, out),          # no block
         lib.fmc_baseline_memcpy(4096, 1024, 4096, out),       # span smaller than a block
@@ -318,7 +344,7 @@ def test_baselines_refuse_bad_arguments():
 
 
 def test_cuda_baseline_is_absent_or_works():
-    count, why = bl.cuda_device_count()
+    count, why = cuda_device_count()
     out = ffi.new("double *")
     if count == 0:
         assert why
@@ -328,12 +354,109 @@ def test_cuda_baseline_is_absent_or_works():
     else:
         assert bl.cuda_d2d_gbps(1 << 20, 8 * MiB, 64 * MiB) > 0
         assert bl.measure("cuda d2d b2b", 1 << 20, 8 * MiB, 64 * MiB) > 0
-        buf = bl.CudaBuffer(1 << 20)
+        buf = DeviceBuffer(1 << 20)
         try:
             digest = buf.fill_random(0, 1 << 20)
             assert buf.digest(0, 1 << 20) == digest
         finally:
             buf.close()
     assert lib.fmc_baseline_cuda_d2d(-1, 0, 4096, 4096, 4096, 1, out) < 0
-    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == lib.FMC_ERR_INVALID_ARGUMENT
-    assert lib.fmc_baseline_cuda_devices(ffi.NULL) == lib.FMC_ERR_INVALID_ARGUMENT
+    assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == core_lib.FMC_ERR_INVALID_ARGUMENT
+
+
+def test_limits_are_a_module_of_their_own():
+    """The production core carries no benchmark code; the limits module only the measurements."""
+    assert not [name for name in dir(core_lib) if "baseline" in name]
+    assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
+        "fmc_baseline_cuda_d2d", "fmc_baseline_memcpy", "fmc_baseline_pvm", "fmc_baseline_tcp", "fmc_last_error"]
+    with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
+        bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text
+
+
+# ---------------------------------------------------------------------------------- user targets
+
+
+def _write_targets(path: Path, *targets: dict, **extra) -> str:
+    path.write_text(json.dumps({"targets": list(targets), **extra}))
+    return str(path)
+
+
+def _check(results: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flagcx_mc", "bench", "--check", str(results), *args],
+                          check=False, capture_output=True, text=True, timeout=30, cwd=ROOT / "examples")
+
+
+def test_user_targets_pass_and_miss_on_a_real_run(tmp_path):
+    """Targets come from the user's file, are checked on a real run, and a missed one fails the run;
+    the same targets checked again on the run's JSON give the same verdicts."""
+    raw = {"name": "TCP against the raw socket", "metric": "throughput_ratio:tcp:raw socket", "better": "higher"}
+    easy = _write_targets(tmp_path / "easy.json", dict(raw, threshold=1e-6),
+                          {"name": "TCP latency against itself", "metric": "p50_latency_ratio:tcp:tcp",
+                           "threshold": 1.0, "better": "lower"},
+                          {"name": "GPU against d2d", "metric": "throughput_ratio:gpu:cuda d2d", "threshold": 0.9,
+                           "better": "higher"})
+    hard = _write_targets(tmp_path / "hard.json", dict(raw, threshold=1e6))
+    proc, data = _bench(tmp_path, "--blocks", "64k", "--batch", "4", "--repeat", "1", "--trials", "1", "--ops", "write",
+                        "--latency-n", "50", "--transports", "tcp", "--no-mooncake", "--png", "", "--targets", easy)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert data["options"]["targets"] == easy
+    verdicts = {t["name"]: t for t in data["targets"]}
+    assert verdicts["TCP against the raw socket"]["status"] == "PASS"
+    assert verdicts["TCP against the raw socket"]["measured"] == data["rows"][0]["ratios"]["raw socket"] > 0
+    assert verdicts["TCP latency against itself"]["status"] == "PASS"
+    assert verdicts["GPU against d2d"]["status"] == "N/A" and verdicts["GPU against d2d"]["detail"] == "gpu: not run"
+    assert "PASS TCP against the raw socket: " in proc.stdout
+
+    results = tmp_path / "bench.json"
+    again = _check(results, "--targets", easy)
+    assert again.returncode == 0 and "PASS TCP against the raw socket: " in again.stdout, again.stdout + again.stderr
+    missed = _check(results, "--targets", hard)
+    assert missed.returncode == 1, missed.stdout + missed.stderr
+    assert "MISS TCP against the raw socket: " in missed.stdout and "(threshold 1000000.0)" in missed.stdout
+    plain = _check(results)  # no targets: the tables only, the verdict on verification alone
+    assert plain.returncode == 0 and "PASS" not in plain.stdout and "MISS" not in plain.stdout
+
+
+def test_a_missed_target_fails_the_run_itself(tmp_path):
+    hard = _write_targets(tmp_path / "hard.json", {"name": "impossible", "metric": "throughput_ratio:tcp:raw socket",
+                                                   "threshold": 1e6, "better": "higher"})
+    proc, data = _bench(tmp_path, "--blocks", "4k", "--batch", "2", "--repeat", "1", "--trials", "1", "--ops", "read",
+                        "--latency-n", "50", "--transports", "tcp", "--no-mooncake", "--png", "", "--targets", hard)
+    assert proc.returncode == 1 and data["verified"] is True, proc.stdout + proc.stderr
+    assert [t["status"] for t in data["targets"]] == ["MISS"] and "MISS impossible: " in proc.stdout
+
+
+@pytest.mark.parametrize("content,complaint", [
+    ("not json", "cannot read targets"),
+    ("[]", "non-empty list"),
+    ('[{"name": "x", "metric": "throughput_ratio:tcp:raw socket", "better": "higher"}]', "threshold"),
+    ('[{"name": "x", "metric": "speed:tcp:raw socket", "threshold": 1, "better": "higher"}]', "kind:transport"),
+    ('[{"name": "x", "metric": "throughput_ratio:warp:raw socket", "threshold": 1, "better": "higher"}]',
+     "no transport 'warp'"),
+    ('[{"name": "x", "metric": "throughput_ratio:tcp:abacus", "threshold": 1, "better": "higher"}]',
+     "no baseline 'abacus'"),
+    ('[{"name": "x", "metric": "cpu_ratio:tcp:raw socket", "threshold": 1, "better": "lower"}]', "mooncake only"),
+    ('[{"name": "x", "metric": "throughput_ratio:tcp:memcpy", "threshold": 1, "better": "more"}]', "better must"),
+])
+def test_bad_targets_files_are_refused(tmp_path, content, complaint):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    with pytest.raises(tg.TargetsError, match=complaint):
+        tg.load_targets(str(path), TRANSPORT_NAMES)
+    proc = _check(tmp_path / "unused.json", "--targets", str(path))
+    assert proc.returncode == 2 and complaint.split("'")[0] in proc.stderr
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
+def test_targets_files_may_be_toml(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('note_steal_from = 0.1\n[[targets]]\nname = "x"\nmetric = "cpu_ratio:tcp:mooncake"\n'
+                    'threshold = 0.5\nbetter = "lower"\n')
+    loaded = tg.load_targets(str(path), TRANSPORT_NAMES)
+    assert loaded.targets == (tg.Target("x", "cpu_ratio:tcp:mooncake", 0.5, "lower"),)
+    assert loaded.note_steal_from == 0.1
+
+
+def test_the_projects_targets_file_loads():
+    loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
+    assert len(loaded.targets) == 7 and loaded.note_steal_from == 0.05

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import lib
+from flagcx_mc._fmc_cffi import lib  # type: ignore[import-not-found]
 
 import flagcx_mc
 from flagcx_mc import HostBuffer, errors
@@ -35,6 +35,37 @@ def test_every_core_code_maps_to_its_exception():
     assert errors.check_rc(5) == 5
 
 
+
+def test_device_buffers_check_their_arguments_and_explain_a_missing_driver():
+    """GPU allocation lives in the core: shapes it cannot map are refused before any driver call,
+    and without a driver every call says so (NotSupportedError through DeviceBuffer)."""
+    from flagcx_mc._fmc_cffi import ffi  # type: ignore[import-not-found]
+
+    from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
+
+    ptr = ffi.new("uint64_t *")
+    bad = lib.FMC_ERR_INVALID_ARGUMENT
+    assert lib.fmc_cuda_device_count(ffi.NULL) == bad
+    assert lib.fmc_cuda_buffer_alloc(0, 0, ptr) == bad
+    assert lib.fmc_cuda_buffer_alloc(0, 4096, ffi.NULL) == bad
+    assert lib.fmc_cuda_buffer_alloc_vmm(0, 3 << 20, 3 << 20, 1, ptr) == bad  # chunk not a multiple of 2 MiB
+    assert lib.fmc_cuda_buffer_alloc_vmm(0, 6 << 20, 4 << 20, 1, ptr) == bad  # not whole chunks
+    assert lib.fmc_cuda_buffer_free_vmm(0, 1 << 30, 4 << 20, 0) == bad
+    assert lib.fmc_cuda_buffer_copy(0, 0, 4096, 4096) == bad
+    count, why = cuda_device_count()
+    if count == 0:
+        assert why
+        with pytest.raises(errors.FlagcxMcError):
+            DeviceBuffer(4096)
+    else:
+        assert lib.fmc_cuda_buffer_alloc(count, 4096, ptr) == lib.FMC_ERR_DEVICE_NOT_FOUND
+        buf = DeviceBuffer(1 << 20)
+        try:
+            digest = buf.fill_random()
+            assert buf.digest() == digest
+        finally:
+            buf.close()
+
 @pytest.fixture
 def core():
     eng = CoreEngine("127.0.0.1")
@@ -48,7 +79,7 @@ def test_registry_rules(core):
         key = core.register(buf.addr, 1 << 19)
         assert 0 < key < 2**32
         key2 = core.register(buf.addr + (1 << 19), 1 << 19)  # adjacent is fine
-        assert key2 != key or True
+        assert key2 != key or True  # noqa: SIM222
         with pytest.raises(errors.AddressOverlappedError):
             core.register(buf.addr + 4096, 4096)
         with pytest.raises(errors.InvalidArgumentError):
@@ -102,7 +133,7 @@ def _raw_data_conn(core, payload: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", core.data_port), timeout=5) as s:
         s.sendall(payload)
         s.shutdown(socket.SHUT_WR)
-        chunks = []
+        chunks: list = []
         while True:
             data = s.recv(65536)
             if not data:

@@ -13,8 +13,7 @@ import pytest
 
 from flagcx_mc import TransferEngine
 from flagcx_mc._testing.node import NodeProcess
-from flagcx_mc.buffers import DeviceBuffer, HostBuffer
-from flagcx_mc.tools.bench.limits import cuda_device_count
+from flagcx_mc.buffers import DeviceBuffer, HostBuffer, cuda_device_count
 
 _COUNT, _WHY = cuda_device_count()
 pytestmark = pytest.mark.skipif(_COUNT == 0, reason=f"no CUDA device here: {_WHY}")

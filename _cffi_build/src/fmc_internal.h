@@ -130,6 +130,10 @@ int fmc_cuda_vmm_import(int pid, int n, const uint64_t *bases, const uint64_t *s
 /* Undo fmc_cuda_ipc_open or fmc_cuda_vmm_import. */
 void fmc_cuda_peer_unmap(uint64_t mapped, int device);
 int fmc_cuda_available(void);
+/* The loaded driver's entry point `name` (NULL: no usable driver, or no such call), and
+ * `device`'s primary context made current in this thread (-1 if it cannot be). */
+void *fmc_cuda_symbol(const char *name);
+int fmc_cuda_use_device(int device);
 /* 1 and *device if [addr, addr+len) is GPU memory; 0 if not; -1 if it overruns its allocation. */
 int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device);
 int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device); /* returns once landed */

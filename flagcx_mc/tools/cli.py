@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List, Optional
 
 
 def _parse_shape(text: str) -> tuple:
+    """'4kx1024' -> (4096, 1024); a block without a count is one block."""
+    from .._units import parse_size
+
     block, _, count = text.partition("x")
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    block = block.strip().lower()
-    mult = units.get(block[-1:], 1)
-    number = block[:-1] if block[-1:] in units else block
-    return int(number) * mult, int(count or 1)
+    try:
+        return parse_size(block), int(count or 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _csv(convert):
@@ -27,7 +28,8 @@ def _csv(convert):
 
 
 def _add_bench_parser(sub) -> None:
-    from .bench.runner import TRANSPORTS, parse_size
+    from .._units import parse_size
+    from .bench.runner import TRANSPORTS
 
     bench = sub.add_parser("bench",
                            help="sweep block and batch sizes per transport against Mooncake and physical limits")
@@ -53,11 +55,29 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--png", metavar="PATH", default="bench-results/bench.png",
                        help="plot of GB/s vs block size, if matplotlib is installed ('' for none)")
     bench.add_argument("--no-mooncake", action="store_true", help="skip Mooncake's engine")
+    bench.add_argument("--targets", metavar="FILE",
+                       help="check the result against the targets in FILE (JSON or TOML: a list of {name, metric, "
+                            "threshold, better}, see flagcx_mc.tools.bench.targets); a missed target makes the exit "
+                            "code 1")
+    bench.add_argument("--check", metavar="RESULTS",
+                       help="measure nothing: print the report of a results file written earlier, checked against "
+                            "--targets")
     bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .bench.runner import BenchOptions, run_bench
+    from .bench.runner import TRANSPORTS, BenchOptions, run_bench
+    from .bench.targets import TargetsError, load_targets
+
+    targets = None
+    if args.targets:
+        try:
+            targets = load_targets(args.targets, tuple(t.name for t in TRANSPORTS))
+        except TargetsError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    if args.check:
+        return _check_results(args.check, targets)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -67,13 +87,32 @@ def _run_bench(args: argparse.Namespace) -> int:
     if bad_ops or not args.ops:
         print(f"--ops takes write and/or read, not {','.join(sorted(bad_ops)) or 'nothing'}", file=sys.stderr)
         return 2
-    overrides.update(ops=args.ops, mooncake=not args.no_mooncake,
+    overrides.update(ops=args.ops, mooncake=not args.no_mooncake, targets=targets, targets_path=args.targets,
                      json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
     opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
     return run_bench(opts)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _check_results(path: str, targets) -> int:
+    """The report of a results file written earlier, its targets evaluated afresh (``targets``:
+    a loaded targets file, or None for none)."""
+    import json
+
+    from .bench.report import print_report, verdict
+    from .bench.targets import evaluate_targets
+
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        result["targets"] = evaluate_targets(targets, result) if targets else []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"cannot read bench results from {path}: {exc}", file=sys.stderr)
+        return 2
+    print_report(result)
+    return verdict(result)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flagcx-mc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="two engines in two processes on 127.0.0.1: move, verify, time")

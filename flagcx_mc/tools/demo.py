@@ -7,13 +7,13 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional
 
 from .._testing.node import NodeProcess
+from .._units import fmt_size
 from ..buffers import HostBuffer
 from ..engine.async_engine import AsyncTransferEngine
 
-__all__ = ["run_demo", "DemoResult"]
+__all__ = ["DemoResult", "run_demo"]
 
 # (block size, block count): many small blocks, KV-cache-sized blocks, one big block.
 DEFAULT_SHAPES = [(4 << 10, 1024), (64 << 10, 512), (1 << 20, 64), (64 << 20, 1)]
@@ -32,16 +32,9 @@ class DemoResult:
         return self.block * self.count / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def _fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
-async def _demo(shapes: List[tuple], repeat: int, streams: Optional[int]) -> List[DemoResult]:
+async def _demo(shapes: list[tuple], repeat: int, streams: int | None) -> list[DemoResult]:
     region = max(b * c for b, c in shapes)
-    results: List[DemoResult] = []
+    results: list[DemoResult] = []
     local = HostBuffer(region)
     node = await asyncio.to_thread(NodeProcess, regions=[region], config={"streams_per_peer": streams})
     try:
@@ -89,12 +82,12 @@ async def _demo(shapes: List[tuple], repeat: int, streams: Optional[int]) -> Lis
     return results
 
 
-def run_demo(shapes: List[tuple] = DEFAULT_SHAPES, repeat: int = 3, streams: Optional[int] = None) -> int:
+def run_demo(shapes: list[tuple] = DEFAULT_SHAPES, repeat: int = 3, streams: int | None = None) -> int:
     """Run the demo and print a table; returns a process exit code (0 only if all verified)."""
     results = asyncio.run(_demo(shapes, repeat, streams))
     print(f"{'direction':<11} {'block':>9} {'count':>6} {'total':>9} {'GB/s':>7}  verified")
     for r in results:
-        print(f"{r.direction:<11} {_fmt_size(r.block):>9} {r.count:>6} {_fmt_size(r.block * r.count):>9} "
+        print(f"{r.direction:<11} {fmt_size(r.block):>9} {r.count:>6} {fmt_size(r.block * r.count):>9} "
               f"{r.gbps:>7.2f}  {'yes' if r.verified else 'NO'}")
     bad = [r for r in results if not r.verified]
     print("all transfers verified by sha256" if not bad else f"{len(bad)} transfer(s) FAILED verification")

@@ -134,6 +134,9 @@ int fmc_cuda_available(void)
     return ok;
 }
 
+/* The loaded driver's entry point `name`, or NULL (no usable driver, or no such call). */
+void *fmc_cuda_symbol(const char *name) { return fmc_cuda_available() ? dlsym(cu.lib, name) : NULL; }
+
 /* Make the device's primary context current in this thread (contexts are per thread). */
 static int use_device(int device)
 {
@@ -149,6 +152,8 @@ static int use_device(int device)
     pthread_mutex_unlock(&cu_mu);
     return ctx && cu.ctx_set_current(ctx) == 0 ? 0 : -1;
 }
+
+int fmc_cuda_use_device(int device) { return fmc_cuda_available() && use_device(device) == 0 ? 0 : -1; }
 
 /* Ordinal of the GPU whose memory holds `addr`, or -1 (host memory, unmapped, no CUDA). */
 static int device_memory_ordinal(uint64_t addr)

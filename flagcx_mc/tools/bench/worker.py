@@ -1,13 +1,11 @@
 """One benchmark process: an engine (flagcx_mc's or Mooncake's) driven by JSON lines.
 
-``python -m flagcx_mc.tools.bench.worker`` speaks the protocol of :mod:`flagcx_mc._testing.node` (one JSON command
-per line on stdin, one JSON answer per line on stdout) with commands of its own.  As *initiator*
-it runs timed loops of sync transfers and reports wall time and its own CPU time, so that
-flagcx_mc and Mooncake initiators are measured alike, each in a process of its own.  As *target*
-it offers memory the plain node cannot: engine-managed shared memory and CUDA device memory.
-
-``WorkerProcess`` is the parent's side; it behaves like ``NodeProcess`` (``call``, ``addr``,
-``session``, ``pid``, ``close``), so the benchmark can use either as a target.
+``python -m flagcx_mc.tools.bench.worker`` serves :class:`flagcx_mc._process.EngineServer`'s
+commands (fill, set, digest, guards, exit) over one region of ``size`` bytes between guard bytes,
+in the memory the transport needs: private host memory, the engine's managed shared memory or
+CUDA device memory.  As *initiator* it also runs timed loops of sync transfers and reports wall
+time and its own CPU time, so that flagcx_mc and Mooncake initiators are measured alike, each in a
+process of its own; as *target* it only holds its region.  ``WorkerProcess`` is the parent's side.
 """
 
 from __future__ import annotations
@@ -17,22 +15,19 @@ import hashlib
 import math
 import os
 import resource
-import subprocess
-import sys
 import time
-from typing import Any, Dict, List, Optional
 
-from ..._testing.node import NodeProcess, serve_json_lines
+from ..._process import GUARD_BYTES, EngineProcess, EngineServer, GuardedRegion
 
-__all__ = ["WorkerProcess", "MEMORY_KINDS"]
+__all__ = ["MEMORY_KINDS", "WorkerProcess"]
 
 # host: private anonymous memory (HostBuffer); managed: the engine's registered shared memory
-# (allocate_managed_buffer); cuda: device memory on GPU 0.
+# (allocate_managed_buffer); cuda: device memory on GPU 0 (DeviceBuffer).
 MEMORY_KINDS = ("host", "managed", "cuda")
 
 
 class _MappedRange:
-    """Memory somebody else owns (a managed buffer), with HostBuffer's fill/digest surface."""
+    """Memory somebody else owns (a managed buffer), with HostBuffer's fill/digest/read surface."""
 
     def __init__(self, addr: int, size: int) -> None:
         self.addr = addr
@@ -52,11 +47,14 @@ class _MappedRange:
     def digest(self, offset: int, length: int) -> str:
         return hashlib.sha256(memoryview(self._array).cast("B")[offset:offset + length]).hexdigest()
 
+    def read(self, offset: int, length: int) -> bytes:
+        return ctypes.string_at(self.addr + offset, length)
+
     def close(self) -> None:
         pass
 
 
-def _percentile(sorted_values: List[float], q: float) -> float:
+def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list."""
     rank = max(1, math.ceil(q * len(sorted_values)))
     return sorted_values[rank - 1]
@@ -68,65 +66,37 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class _Worker:
+class _Worker(EngineServer):
     """Command handlers of the child process."""
 
+    COMMANDS = EngineServer.COMMANDS | {"init", "run", "latency"}
+
     def __init__(self) -> None:
-        self.engine: Any = None
-        self.kind = "flagcx_mc"
-        self.mem: Any = None
-        self.memory = "host"
+        super().__init__()
+        self.managed: _MappedRange | None = None
 
     def init(self, engine: str = "flagcx_mc", host: str = "127.0.0.1", size: int = 1 << 20,
-             memory: str = "host", config: Optional[dict] = None) -> dict:
-        """Start the engine and register ``size`` bytes of ``memory``."""
+             memory: str = "host", config: dict | None = None) -> dict:
+        """Start the engine and register ``size`` bytes of ``memory`` (region 0)."""
         if memory not in MEMORY_KINDS:
             raise ValueError(f"memory must be one of {MEMORY_KINDS}")
-        self.kind, self.memory = engine, memory
-        if engine == "mooncake":
-            os.environ.setdefault("MC_FORCE_TCP", "1")
-            from mooncake.engine import TransferEngine as MooncakeEngine
-
-            self.engine = MooncakeEngine()
-        else:
-            from ...engine.sync_engine import TransferEngine
-
-            self.engine = TransferEngine(**(config or {}))
-        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("initialize failed")
+        session = self.start_engine(host, engine, config)
+        whole = size + 2 * GUARD_BYTES
         if memory == "managed":
-            addr = self.engine.allocate_managed_buffer(size)
+            addr = self.engine.allocate_managed_buffer(whole)  # registered as it is made
             if not addr:
                 raise RuntimeError("allocate_managed_buffer failed")
-            self.mem = _MappedRange(addr, size)
+            self.managed = _MappedRange(addr, whole)
+            self.add(GuardedRegion(self.managed, size), register=False)
+        elif memory == "cuda":
+            from ...buffers import DeviceBuffer
+
+            self.add(GuardedRegion(DeviceBuffer(whole), size), location="cuda:0")
         else:
-            if memory == "cuda":
-                from .limits import CudaBuffer
+            from ...buffers import HostBuffer
 
-                self.mem = CudaBuffer(size)
-            else:
-                from ...buffers import HostBuffer
-
-                self.mem = HostBuffer(size)
-            location = "cuda:0" if memory == "cuda" else "*"
-            rc = self.engine.register_memory(self.mem.addr, size, location)
-            if rc != 0:
-                raise RuntimeError(f"register_memory returned {rc}")
-        session = f"{host}:{self.engine.get_rpc_port()}"
-        return {"session": session, "pid": os.getpid(), "regions": [[self.mem.addr, size]]}
-
-    def fill(self, region: int = 0, offset: int = 0, length: Optional[int] = None) -> dict:
-        length = self.mem.size - offset if length is None else length
-        return {"digest": self.mem.fill_random(offset, length)}
-
-    def set(self, byte: int, region: int = 0, offset: int = 0, length: Optional[int] = None) -> dict:
-        length = self.mem.size - offset if length is None else length
-        self.mem.fill(byte, offset, length)
-        return {}
-
-    def digest(self, region: int = 0, offset: int = 0, length: Optional[int] = None) -> dict:
-        length = self.mem.size - offset if length is None else length
-        return {"digest": self.mem.digest(offset, length)}
+            self.add(GuardedRegion(HostBuffer(whole), size), location="*")
+        return {"session": session, "pid": os.getpid(), "regions": self.region_list()}
 
     def run(self, op: str, target: str, remote: int, block: int, count: int, reps: int, trials: int = 1,
             warmup: int = 1) -> dict:
@@ -136,7 +106,7 @@ class _Worker:
         first failing return code (0 if none) and, per trial, the wall seconds and this process's
         CPU seconds (user + system, all threads) of the timed loop.
         """
-        local = [self.mem.addr + i * block for i in range(count)]
+        local = [self.regions[0].addr + i * block for i in range(count)]
         remote_addrs = [remote + i * block for i in range(count)]
         lengths = [block] * count
         if op == "write":
@@ -149,7 +119,7 @@ class _Worker:
             rc = fn(target, local, remote_addrs, lengths)
             if rc != 0:
                 return {"rc": rc, "trials": [], "where": "warm-up"}
-        results: List[dict] = []
+        results: list[dict] = []
         rc = 0
         for _ in range(trials):
             done = 0
@@ -169,12 +139,12 @@ class _Worker:
     def latency(self, target: str, remote: int, size: int, n: int, warmup: int = 50) -> dict:
         """``n`` single ``transfer_sync_write`` calls of ``size`` bytes, each timed on its own."""
         fn = self.engine.transfer_sync_write
-        addr = self.mem.addr
+        addr = self.regions[0].addr
         for _ in range(warmup):
             rc = fn(target, addr, remote, size)
             if rc != 0:
                 return {"rc": rc, "n": 0, "where": "warm-up"}
-        samples: List[float] = []
+        samples: list[float] = []
         rc = 0
         cpu0 = _cpu_seconds()
         t_all = time.perf_counter()
@@ -192,47 +162,24 @@ class _Worker:
                 "min_us": samples[0], "max_us": samples[-1], "seconds": seconds, "cpu_seconds": cpu}
 
     def exit(self) -> dict:
-        if self.engine is not None and self.memory == "managed":
-            self.engine.free_managed_buffer(self.mem.addr, self.mem.size)
-        close = getattr(self.engine, "close", None)  # Mooncake's engine closes in its destructor
-        if close is not None:
-            close()
-        if self.mem is not None:
-            self.mem.close()
+        if self.managed is not None:
+            self.engine.free_managed_buffer(self.managed.addr, self.managed.size)
+        super().exit()
+        for region in self.regions:
+            region.close()
         return {}
 
 
-_COMMANDS = frozenset({"init", "fill", "set", "digest", "run", "latency", "exit"})
-
-
-def _serve() -> None:
-    serve_json_lines(_Worker(), _COMMANDS)
-
-
-class WorkerProcess(NodeProcess):
-    """Parent side of a bench worker; ``call``, ``addr``, ``close`` and ``kill`` are NodeProcess's."""
+class WorkerProcess(EngineProcess):
+    """Parent side of a bench worker: ``call``, ``addr``, ``close`` and ``kill``; its one region is 0."""
 
     def __init__(self, engine: str = "flagcx_mc", size: int = 1 << 20, memory: str = "host",
-                 config: Optional[dict] = None, env: Optional[Dict[str, str]] = None, host: str = "127.0.0.1",
+                 config: dict | None = None, env: dict[str, str] | None = None, host: str = "127.0.0.1",
                  start_timeout: float = 30.0) -> None:
-        child_env = dict(os.environ)
-        child_env.update(env or {})
-        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flagcx_mc.tools.bench.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env, text=True, bufsize=1,
-            cwd=package_parent,
-        )
-        try:
-            info = self.call("init", timeout=start_timeout, engine=engine, host=host, size=size, memory=memory,
-                             config=config)
-        except BaseException:
-            self.kill()
-            raise
-        self.session: str = info["session"]
-        self.pid: int = info["pid"]
-        self.regions: List[List[int]] = info["regions"]
+        super().__init__("flagcx_mc.tools.bench.worker",
+                         {"engine": engine, "host": host, "size": size, "memory": memory, "config": config},
+                         env=env, start_timeout=start_timeout)
 
 
 if __name__ == "__main__":
-    _serve()
+    _Worker().serve()

@@ -3,7 +3,8 @@
  * Every baseline moves `total` bytes in `block`-sized pieces through buffers of `span` bytes (the
  * working set of one batch of the engine's workload), so caches treat both alike, and writes the
  * throughput in GB/s (1e9 bytes per second) through `gbps_out`.  Nothing here is used by the
- * engine.
+ * engine: this file is built into a module of its own (build_limits.py), with the core's socket
+ * helpers (fmc_util.c) so that the raw socket is opened and tuned as the engine's streams are.
  *
  *   fmc_baseline_memcpy  memcpy of each block, one thread
  *   fmc_baseline_tcp     loopback TCP, `streams` connections, a sender and a receiver thread each;
@@ -11,11 +12,10 @@
  *                        streams do), receivers read as much as the socket has
  *   fmc_baseline_pvm     process_vm_writev from this process into a forked child, up to 1024
  *                        blocks per call, back-to-back blocks joined into one range per side
- *   fmc_baseline_cuda_*  device-to-device copies through the CUDA driver API, loaded with dlopen
+ *   fmc_baseline_cuda_d2d  device-to-device copies through the CUDA driver API, loaded with dlopen
  *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver): each batch's copies
  *                        queued on a stream and waited for, as a synchronous transfer must, or
- *                        queued back to back with one wait at the end; plus allocation and copy
- *                        helpers, so the benchmark can own device memory without a framework
+ *                        queued back to back with one wait at the end
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "fmc_internal.h"
+#include "limits_cdefs.h"
 
 #define BL_GATHER_BYTES (1u << 20) /* bytes a raw sender hands to one sendmsg */
 #define BL_GATHER_IOVS 256
@@ -422,32 +423,12 @@ typedef int (*cu_ctx_fn)(void *);
 typedef int (*cu_sync_fn)(void);
 typedef int (*cu_alloc_fn)(uint64_t *, size_t);
 typedef int (*cu_free_fn)(uint64_t);
-typedef int (*cu_copy_fn)(uint64_t, uint64_t, size_t);
 typedef int (*cu_peer_fn)(uint64_t, void *, uint64_t, void *, size_t);
 typedef int (*cu_memset_fn)(uint64_t, unsigned char, size_t);
 typedef int (*cu_stream_create_fn)(void **, unsigned);
 typedef int (*cu_stream_fn)(void *);
 typedef int (*cu_copy_async_fn)(uint64_t, uint64_t, size_t, void *);
 typedef int (*cu_peer_async_fn)(uint64_t, void *, uint64_t, void *, size_t, void *);
-/* VMM (cuMemCreate) allocations, laid out like CUmemAllocationProp and CUmemAccessDesc. */
-typedef struct {
-    int type, requested_handle_types;
-    int location_type, location_id;
-    void *win32_metadata;
-    unsigned char compression, gpu_direct_rdma;
-    unsigned short usage;
-    unsigned char reserved[4];
-} cu_alloc_prop;
-typedef struct {
-    int location_type, location_id, flags;
-} cu_access_desc;
-typedef int (*cu_mem_create_fn)(unsigned long long *, size_t, const cu_alloc_prop *, unsigned long long);
-typedef int (*cu_mem_release_fn)(unsigned long long);
-typedef int (*cu_mem_reserve_fn)(uint64_t *, size_t, size_t, uint64_t, unsigned long long);
-typedef int (*cu_mem_range_fn)(uint64_t, size_t);
-typedef int (*cu_mem_map_fn)(uint64_t, size_t, size_t, unsigned long long, unsigned long long);
-typedef int (*cu_mem_set_access_fn)(uint64_t, size_t, const cu_access_desc *, size_t);
-
 static struct {
     pthread_once_t once;
     int rc;
@@ -458,19 +439,12 @@ static struct {
     cu_sync_fn sync;
     cu_alloc_fn alloc;
     cu_free_fn free;
-    cu_copy_fn copy;
     cu_peer_fn peer;
     cu_memset_fn memset;
     cu_stream_create_fn stream_create;
     cu_stream_fn stream_destroy, stream_sync;
     cu_copy_async_fn copy_async;
     cu_peer_async_fn peer_async;
-    cu_mem_create_fn mem_create; /* optional: VMM allocations */
-    cu_mem_release_fn mem_release;
-    cu_mem_reserve_fn mem_reserve;
-    cu_mem_range_fn mem_address_free, mem_unmap;
-    cu_mem_map_fn mem_map;
-    cu_mem_set_access_fn mem_set_access;
 } cu = {.once = PTHREAD_ONCE_INIT};
 
 static void cu_load(void)
@@ -487,7 +461,6 @@ static void cu_load(void)
     cu.sync = (cu_sync_fn)dlsym(h, "cuCtxSynchronize");
     cu.alloc = (cu_alloc_fn)dlsym(h, "cuMemAlloc_v2");
     cu.free = (cu_free_fn)dlsym(h, "cuMemFree_v2");
-    cu.copy = (cu_copy_fn)dlsym(h, "cuMemcpy");
     cu.peer = (cu_peer_fn)dlsym(h, "cuMemcpyPeer");
     cu.memset = (cu_memset_fn)dlsym(h, "cuMemsetD8_v2");
     cu.stream_create = (cu_stream_create_fn)dlsym(h, "cuStreamCreate");
@@ -495,15 +468,8 @@ static void cu_load(void)
     cu.stream_sync = (cu_stream_fn)dlsym(h, "cuStreamSynchronize");
     cu.copy_async = (cu_copy_async_fn)dlsym(h, "cuMemcpyAsync");
     cu.peer_async = (cu_peer_async_fn)dlsym(h, "cuMemcpyPeerAsync");
-    cu.mem_create = (cu_mem_create_fn)dlsym(h, "cuMemCreate");
-    cu.mem_release = (cu_mem_release_fn)dlsym(h, "cuMemRelease");
-    cu.mem_reserve = (cu_mem_reserve_fn)dlsym(h, "cuMemAddressReserve");
-    cu.mem_address_free = (cu_mem_range_fn)dlsym(h, "cuMemAddressFree");
-    cu.mem_unmap = (cu_mem_range_fn)dlsym(h, "cuMemUnmap");
-    cu.mem_map = (cu_mem_map_fn)dlsym(h, "cuMemMap");
-    cu.mem_set_access = (cu_mem_set_access_fn)dlsym(h, "cuMemSetAccess");
     if (!init || !cu.count || !cu.device_get || !cu.retain || !cu.set_current || !cu.sync || !cu.alloc ||
-        !cu.free || !cu.copy || !cu.peer || !cu.memset || !cu.stream_create || !cu.stream_destroy ||
+        !cu.free || !cu.peer || !cu.memset || !cu.stream_create || !cu.stream_destroy ||
         !cu.stream_sync || !cu.copy_async || !cu.peer_async || init(0) != 0)
         return;
     cu.rc = 0;
@@ -529,115 +495,6 @@ static int cu_use(int device, void **ctx_out)
     }
     if (ctx_out)
         *ctx_out = ctx;
-    return 0;
-}
-
-int fmc_baseline_cuda_devices(int *count_out)
-{
-    if (count_out == NULL)
-        return FMC_ERR_INVALID_ARGUMENT;
-    *count_out = 0;
-    pthread_once(&cu.once, cu_load);
-    if (cu.rc < 0) {
-        fmc_set_error("no usable CUDA driver (libcuda.so.1)");
-        return cu.rc;
-    }
-    return cu.count(count_out) == 0 ? 0 : FMC_ERR_NOT_IMPLEMENTED;
-}
-
-int fmc_baseline_cuda_alloc(int device, uint64_t size, uint64_t *ptr_out)
-{
-    if (size == 0 || ptr_out == NULL)
-        return FMC_ERR_INVALID_ARGUMENT;
-    int rc = cu_use(device, NULL);
-    if (rc < 0)
-        return rc;
-    if (cu.alloc(ptr_out, size) != 0) {
-        fmc_set_error("cuMemAlloc of %llu bytes failed on device %d", (unsigned long long)size, device);
-        return FMC_ERR_MEMORY;
-    }
-    return 0;
-}
-
-int fmc_baseline_cuda_free(int device, uint64_t ptr)
-{
-    int rc = cu_use(device, NULL);
-    if (rc < 0)
-        return rc;
-    return cu.free(ptr) == 0 ? 0 : FMC_ERR_INVALID_ARGUMENT;
-}
-
-/* Unmap the first `mapped` bytes of a VMM range in `chunk` steps (each releases its memory) and
- * free all `size` bytes of its address range. */
-static int release_vmm(uint64_t va, uint64_t mapped, uint64_t size, uint64_t chunk)
-{
-    for (uint64_t off = 0; off < mapped; off += chunk)
-        cu.mem_unmap(va + off, chunk);
-    return size && cu.mem_address_free(va, size) != 0 ? FMC_ERR_INVALID_ARGUMENT : 0;
-}
-
-/* GPU memory the way torch's expandable segments make it: `size` (a multiple of `chunk`, itself a
- * multiple of the 2 MiB granularity) of address space backed by one cuMemCreate allocation per
- * chunk, mapped side by side; shareable: the chunks allow POSIX file descriptor handles. */
-int fmc_baseline_cuda_alloc_vmm(int device, uint64_t size, uint64_t chunk, int shareable, uint64_t *ptr_out)
-{
-    if (size == 0 || chunk == 0 || size % chunk != 0 || chunk % (2u << 20) != 0 || ptr_out == NULL)
-        return FMC_ERR_INVALID_ARGUMENT;
-    int rc = cu_use(device, NULL);
-    if (rc < 0)
-        return rc;
-    if (!cu.mem_create || !cu.mem_release || !cu.mem_reserve || !cu.mem_address_free || !cu.mem_unmap ||
-        !cu.mem_map || !cu.mem_set_access) {
-        fmc_set_error("the CUDA driver lacks the VMM calls");
-        return FMC_ERR_NOT_IMPLEMENTED;
-    }
-    uint64_t va = 0, mapped = 0;
-    if (cu.mem_reserve(&va, size, 0, 0, 0) != 0) {
-        fmc_set_error("cuMemAddressReserve of %llu bytes failed", (unsigned long long)size);
-        return FMC_ERR_MEMORY;
-    }
-    cu_alloc_prop prop = {.type = 1 /* PINNED */, .requested_handle_types = shareable ? 1 /* POSIX_FD */ : 0,
-                          .location_type = 1 /* DEVICE */, .location_id = device};
-    for (; mapped < size; mapped += chunk) {
-        unsigned long long h = 0;
-        if (cu.mem_create(&h, chunk, &prop, 0) != 0)
-            break;
-        int bad = cu.mem_map(va + mapped, chunk, 0, h, 0);
-        cu.mem_release(h);
-        if (bad)
-            break;
-    }
-    cu_access_desc access = {1 /* DEVICE */, device, 3 /* READWRITE */};
-    if (mapped < size || cu.mem_set_access(va, size, &access, 1) != 0) {
-        release_vmm(va, mapped, size, chunk);
-        fmc_set_error("cannot create and map %llu bytes of VMM memory on device %d", (unsigned long long)size, device);
-        return FMC_ERR_MEMORY;
-    }
-    *ptr_out = va;
-    return 0;
-}
-
-/* Unmap the chunks of [ptr, ptr+size) and free the address range. */
-int fmc_baseline_cuda_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t chunk)
-{
-    int rc = cu_use(device, NULL);
-    if (rc < 0 || !cu.mem_unmap || chunk == 0)
-        return rc < 0 ? rc : FMC_ERR_INVALID_ARGUMENT;
-    return release_vmm(ptr, size, size, chunk);
-}
-
-/* Any direction (host or device addresses: unified addressing); returns once the bytes are there. */
-int fmc_baseline_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t len)
-{
-    if (dst == 0 || src == 0 || len == 0)
-        return FMC_ERR_INVALID_ARGUMENT;
-    int rc = cu_use(device, NULL);
-    if (rc < 0)
-        return rc;
-    if (cu.copy(dst, src, len) != 0 || cu.sync() != 0) {
-        fmc_set_error("cuMemcpy of %llu bytes failed", (unsigned long long)len);
-        return FMC_ERR_INVALID_ARGUMENT;
-    }
     return 0;
 }
 

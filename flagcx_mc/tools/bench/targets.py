@@ -1,0 +1,178 @@
+"""Targets a user holds a benchmark result to: ``flagcx-mc bench --targets FILE``.
+
+A targets file is JSON (or TOML, ``.toml``, Python 3.11+): an object with a ``targets`` list (a
+bare JSON list works too) of ``{"name", "metric", "threshold", "better"}``, ``better`` being
+``"higher"`` or ``"lower"``, and optionally ``note_steal_from``: the hypervisor steal share from
+which a target's line names the steal seen during its worst shape.  A metric is a worst case over
+measured rows, written ``kind:transport:against``:
+
+- ``throughput_ratio:T:B`` -- GB/s of transport ``T`` over baseline ``B`` (a physical limit of
+  ``limits.BASELINES`` or ``mooncake``), at the largest batch of each block size; the lowest;
+- ``cpu_ratio:T:mooncake`` -- the initiator's CPU seconds per GiB over Mooncake's on the same
+  rows; the highest;
+- ``p50_latency_ratio:T:U`` -- median latency of one 4 KiB synchronous write, ``T``'s over
+  ``U``'s.
+
+Each target comes out PASS, MISS or N/A (nothing measured it, with the reason) beside the worst
+value and the row it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..._units import fmt_size
+from .limits import BASELINES
+from .report import throughput_rows
+
+__all__ = ["METRIC_KINDS", "Target", "TargetSet", "TargetsError", "evaluate_targets", "load_targets"]
+
+METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio")
+
+
+class TargetsError(ValueError):
+    """A targets file that cannot be read or names a metric this bench does not measure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    metric: str
+    threshold: float
+    better: str  # "higher" or "lower"
+
+    @property
+    def parts(self) -> tuple[str, str, str]:
+        kind, transport, against = self.metric.split(":", 2)
+        return kind, transport, against
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSet:
+    targets: tuple[Target, ...]
+    note_steal_from: float | None = None
+
+
+def _check(target: Target, transports: tuple[str, ...]) -> None:
+    parts = target.metric.split(":")
+    if len(parts) != 3 or parts[0] not in METRIC_KINDS:
+        raise TargetsError(f"{target.name!r}: metric {target.metric!r} is not kind:transport:against with kind one "
+                           f"of {', '.join(METRIC_KINDS)}")
+    kind, transport, against = parts
+    if transport not in transports:
+        raise TargetsError(f"{target.name!r}: no transport {transport!r} (known: {', '.join(transports)})")
+    if kind == "throughput_ratio" and against not in BASELINES:
+        raise TargetsError(f"{target.name!r}: no baseline {against!r} (known: {', '.join(BASELINES)})")
+    if kind == "cpu_ratio" and against != "mooncake":
+        raise TargetsError(f"{target.name!r}: cpu_ratio is measured against mooncake only")
+    if kind == "p50_latency_ratio" and against not in transports:
+        raise TargetsError(f"{target.name!r}: no transport {against!r} (known: {', '.join(transports)})")
+    if target.better not in ("higher", "lower"):
+        raise TargetsError(f"{target.name!r}: better must be 'higher' or 'lower', not {target.better!r}")
+
+
+def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
+    """Read and check a targets file; ``transports``: the transport names a metric may use.
+
+    Raises:
+        TargetsError: unreadable, malformed, or naming what this bench does not measure.
+    """
+    try:
+        text = Path(path).read_text()
+        if path.endswith(".toml"):
+            import tomllib  # Python 3.11+
+
+            data: Any = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except (OSError, ValueError, ImportError) as exc:
+        raise TargetsError(f"cannot read targets from {path}: {exc}") from None
+    if isinstance(data, list):
+        data = {"targets": data}
+    if not isinstance(data, dict) or not isinstance(data.get("targets"), list) or not data["targets"]:
+        raise TargetsError(f"{path}: expected a non-empty list of targets (or an object with one under 'targets')")
+    found: list[Target] = []
+    for item in data["targets"]:
+        try:
+            target = Target(name=str(item["name"]), metric=str(item["metric"]), threshold=float(item["threshold"]),
+                            better=str(item["better"]))
+        except (TypeError, KeyError, ValueError) as exc:
+            raise TargetsError(f"{path}: a target needs name, metric, threshold (a number) and better: {item!r} "
+                               f"({type(exc).__name__}: {exc})") from None
+        _check(target, transports)
+        found.append(target)
+    steal = data.get("note_steal_from")
+    if steal is not None and not isinstance(steal, (int, float)):
+        raise TargetsError(f"{path}: note_steal_from must be a number (a share of CPU time, e.g. 0.05)")
+    return TargetSet(tuple(found), None if steal is None else float(steal))
+
+
+def _why_not(result: dict, *names: str) -> str:
+    """Why a transport or baseline that a metric needs has no measurement."""
+    transports, missing = result.get("transports", {}), result.get("baselines_missing", {})
+    for name in names:
+        if name in missing:
+            return f"baseline {name}: not available ({missing[name]})"
+        info = transports.get(name)
+        if info is not None and not info.get("available"):
+            return f"{name}: {info.get('reason', 'not run')}"
+        if info is None and name not in BASELINES:
+            return f"{name}: not run"
+    return f"no {names[-1]} measurement"
+
+
+def _mooncake_transports(result: dict) -> list[str]:
+    return [name for name, info in result.get("transports", {}).items() if name.startswith("mooncake")] or [
+        "mooncake-tcp"]
+
+
+def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str]:
+    """(value, row) pairs the target is judged on, and why there are none."""
+    kind, transport, against = target.parts
+    if kind == "p50_latency_ratio":
+        lat = {x["transport"]: x for x in result.get("latency", []) if x.get("verified")}
+        if transport in lat and against in lat and lat[against].get("p50_us"):
+            return [(lat[transport]["p50_us"] / lat[against]["p50_us"], {})], ""
+        return [], _why_not(result, transport, against)
+    rows = throughput_rows(result.get("rows", []), transport)
+    value_of: Callable[[dict], float | None]
+    if kind == "cpu_ratio":
+        value_of = lambda r: r.get("cpu_vs_mooncake")
+    else:
+        value_of = lambda r: r.get("ratios", {}).get(against)
+    values = [(v, r) for r in rows if (v := value_of(r)) is not None]
+    others = _mooncake_transports(result) if against == "mooncake" else [against]
+    return values, "" if values else _why_not(result, transport, *others)
+
+
+def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
+    """Each target against a bench result (rows with their ratios, latencies, transports):
+    ``{"name", "metric", "status" (PASS, MISS or N/A), "measured" (the worst value), "threshold",
+    "better", "detail", "measured_median", "steal"}``."""
+    out = []
+    for t in targets.targets:
+        values, why = _values(t, result)
+        entry: dict[str, Any] = {"name": t.name, "metric": t.metric, "threshold": t.threshold, "better": t.better,
+                                 "measured_median": None, "steal": None}
+        if not values:
+            entry.update(status="N/A", measured=None, detail=why)
+            out.append(entry)
+            continue
+        worst, row = (min if t.better == "higher" else max)(values, key=lambda v: v[0])
+        ok = worst >= t.threshold if t.better == "higher" else worst <= t.threshold
+        detail = f"worst: {row['op']} {fmt_size(row['block'])} x{row['count']}" if "op" in row else ""
+        kind, _, against = t.parts
+        median = row.get("median_ratios", {}).get(against) if kind == "throughput_ratio" else None
+        if median is not None:
+            detail += f"; median trials {median:.2f}"
+        steal = row.get("steal")
+        if steal is not None and targets.note_steal_from is not None and steal >= targets.note_steal_from:
+            detail += f"; hypervisor steal {steal:.0%} during that shape"
+        entry.update(status="PASS" if ok else "MISS", measured=worst, detail=detail, measured_median=median,
+                     steal=steal)
+        out.append(entry)
+    return out
