@@ -33,7 +33,6 @@ import ipaddress
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -41,7 +40,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from ..errors import DnsError, EndpointError, EngineStateError, InvalidArgumentError
 from ..net import http as _http
 from ..net.addresses import format_host_port
-from ..net.listeners import bind_listener, close_server, peer_name
+from ..net.listeners import BoundedServer, peer_name
 
 __all__ = ["MetadataServer", "main", "DEFAULT_PORT", "DEFAULT_MAX_BODY"]
 
@@ -114,20 +113,20 @@ class MetadataServer:
         self._max_keys = max_keys
         self._max_total_bytes = max_total_bytes
         self._idle_timeout = float(idle_timeout)
-        self._max_connections = max_connections
         self._store: dict[str, bytes] = {}
         self._total_bytes = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._port: int | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self._listener = BoundedServer(
+            self._serve, name="metadata server", log=_log, max_connections=max_connections,
+            stream_limit=_http.MAX_HEAD,
+        )
 
     @property
     def port(self) -> int:
         """The bound port (raises EngineStateError before ``start``)."""
-        if self._port is None:
+        port = self._listener.port
+        if port is None:
             raise EngineStateError("metadata server is not started")
-        return self._port
+        return port
 
     @property
     def url(self) -> str:
@@ -149,38 +148,16 @@ class MetadataServer:
             DnsError: the host does not resolve.
             EndpointError: the port cannot be bound.
         """
-        if self._server is not None or self._closed:
-            raise EngineStateError("metadata server already started or closed")
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(
-                self._host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )
-        except socket.gaierror as exc:
-            raise DnsError(f"cannot resolve metadata server host {self._host!r}: {exc}") from None
-        family, stype, proto, _, addr = infos[0]
-        where = format_host_port(self._host, self._requested_port)
-        try:
-            sock = bind_listener(family, stype, proto, (addr[0], self._requested_port, *addr[2:]), _LISTEN_BACKLOG)
-        except OSError as exc:
-            raise EndpointError(f"cannot bind metadata server to {where}: {exc}") from None
-        try:
-            self._server = await asyncio.start_server(self._on_connect, sock=sock, limit=_http.MAX_HEAD)
-        except BaseException:
-            sock.close()
-            raise
-        self._port = sock.getsockname()[1]
+        port = await self._listener.start(self._host, [self._requested_port], backlog=_LISTEN_BACKLOG)
         _log.info("metadata server listening on %s", self.url)
-        return self._port
+        return port
 
     async def close(self) -> None:
         """Stop listening, drop every connection and wait for their tasks. Idempotent."""
-        self._closed = True
-        server, self._server = self._server, None
-        await close_server(server, self._conns)
+        await self._listener.close()
 
     async def __aenter__(self) -> "MetadataServer":
-        if self._server is None:
+        if self._listener.port is None:
             await self.start()
         return self
 
@@ -189,28 +166,9 @@ class MetadataServer:
 
     # --- connections ----------------------------------------------------------------------
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if self._closed or len(self._conns) >= self._max_connections:
-            _log.warning("metadata server: refusing %s: %d connections open", peer_name(writer), len(self._conns))
-            writer.transport.abort()
-            writer.close()
-            return
-        self._conns.add(task)
-        try:
-            await self._serve(reader, writer)
-        except asyncio.CancelledError:
-            pass  # close() cancels us; end quietly
-        except Exception:  # noqa: BLE001 - one client's failure never reaches the loop
-            _log.exception("metadata server: connection from %s failed", peer_name(writer))
-        finally:
-            self._conns.discard(task)
-            await _http.close_writer(writer)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         blank = 0
-        while not self._closed:
+        while not self._listener.closed:
             try:
                 raw = await asyncio.wait_for(_http.read_head(reader), self._idle_timeout)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
