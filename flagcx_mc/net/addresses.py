@@ -15,8 +15,8 @@ from ..errors import InvalidArgumentError
 
 __all__ = [
     "DEFAULT_RPC_PORT_RANGE",
-    "parse_host_port",
     "format_host_port",
+    "parse_host_port",
     "rpc_port_range",
 ]
 
