@@ -301,11 +301,14 @@ _H = b"Host: x\r\n"
         (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),  # TLS on a plain port
         (b"GET /metadata?key=k HTTP/1.1\r\n\r\n", 400),  # no Host
         (b"GET /metadata?key=k HTTP/1.1\r\nHost x\r\n\r\n", 400),  # no colon
-        (b"GET /metadata?key=k HTTP/1.1\nHost: x\r\n\r\n", 400),  # bare LF
-        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b" folded: y\r\n\r\n", 400),
-        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b"X: a\x01b\r\n\r\n", 400),
+        (b"GET /metadata?key=k HTTP/1.1\nHost: x\r\n\r\n", 404),  # bare LF ends a line (RFC 9112 2.2)
+        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b" folded: y\r\n\r\n", 404),  # unfolded (RFC 9112 5.2)
+        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b"X: a\x01b\r\n\r\n", 404),  # kept (RFC 9110 5.5)
+        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b"X: a\rb\r\n\r\n", 400),  # bare CR
+        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b"X: a\x00b\r\n\r\n", 400),  # NUL
         (b"GET /metadata?key=k HTTP/2.0\r\n" + _H + b"\r\n", 505),
-        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H * 101 + b"\r\n", 431),
+        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H * 2 + b"\r\n", 400),  # two Host fields (RFC 9112 3.2)
+        (b"GET /metadata?key=k HTTP/1.1\r\n" + _H + b"".join(b"X-%d: y\r\n" % i for i in range(100)) + b"\r\n", 431),
         (b"PUT /metadata?key=k HTTP/1.1\r\n" + _H + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
         (b"PUT /metadata?key=k HTTP/1.1\r\n" + _H + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\n", 400),
         (b"PUT /metadata?key=k HTTP/1.1\r\n" + _H + b"Content-Length: -1\r\n\r\n", 400),
@@ -627,10 +630,10 @@ def test_etcd_endpoints_are_split_as_mooncake_takes_them():
 
 async def _etcd_raw(port: int, op: str, request: dict) -> dict:
     """etcd's own JSON API, asked directly (what a Mooncake node's etcd client sees)."""
-    from flagcx_mc.metadata.http_store import format_request, http_roundtrip
+    from flagcx_mc.metadata.http_store import http_request
 
-    message = format_request("POST", f"/v3/kv/{op}", f"{HOST}:{port}", orjson.dumps(request))
-    status, answer = await http_roundtrip(HOST, port, message, "POST", "etcd", 5.0, what=op)
+    status, answer = await http_request(HOST, port, "POST", f"/v3/kv/{op}", orjson.dumps(request),
+                                        url="etcd", timeout=5.0, what=op)
     assert status == 200
     return orjson.loads(answer)
 

@@ -9,15 +9,14 @@ one connection is logged and contained there: the listener keeps serving the oth
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import socket
-from typing import Any, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     DnsError,
-    EndpointError,
     EngineStateError,
     FlagcxMcError,
     HandshakeRejectedError,
@@ -29,7 +28,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..net.addresses import format_host_port
-from ..net.listeners import bind_listener, close_server, peer_name
+from ..net.listeners import BoundedServer, close_writer, peer_name
 from .codec import (
     DEFAULT_MAX_LENGTH,
     FrameDecoder,
@@ -38,7 +37,10 @@ from .codec import (
     encode_message,
 )
 
-__all__ = ["Handler", "HandshakeServer", "request", "DEFAULT_RPC_PORT_RANGE", "PORT_ATTEMPTS", "LISTEN_BACKLOG"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DEFAULT_RPC_PORT_RANGE", "LISTEN_BACKLOG", "PORT_ATTEMPTS", "Handler", "HandshakeServer", "request"]
 
 _log = logging.getLogger(__name__)
 
@@ -48,7 +50,6 @@ DEFAULT_RPC_PORT_RANGE = (15000, 17000)  # Mooncake's MC_MIN_RPC_PORT..MC_MAX_RP
 PORT_ATTEMPTS = 500  # Mooncake's findAvailableTcpPort tries this many random ports
 LISTEN_BACKLOG = 128  # Mooncake's MC_HANDSHAKE_LISTEN_BACKLOG default
 _READ_CHUNK = 64 * 1024
-_CLOSE_GRACE = 1.0  # bound on waiting for a closed transport to finish
 
 
 class HandshakeServer:
@@ -76,23 +77,22 @@ class HandshakeServer:
         self._handlers = {MessageType(k): v for k, v in handlers.items()}
         self._max_length = FrameDecoder(max_length).max_length  # validates it early
         self._read_timeout = read_timeout
-        self._max_connections = max_connections
-        self._server: asyncio.AbstractServer | None = None
-        self._port: int | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self._listener = BoundedServer(
+            self._serve, name="handshake listener", log=_log, max_connections=max_connections
+        )
 
     @property
     def port(self) -> int:
         """The bound port (raises EngineStateError before ``start``)."""
-        if self._port is None:
+        port = self._listener.port
+        if port is None:
             raise EngineStateError("handshake server is not started")
-        return self._port
+        return port
 
     @property
     def connection_count(self) -> int:
         """Connections currently being served."""
-        return len(self._conns)
+        return self._listener.connection_count
 
     async def start(self, host: str, port: int | None = 0, *,
                     port_range: tuple[int, int] = DEFAULT_RPC_PORT_RANGE) -> int:
@@ -111,80 +111,29 @@ class HandshakeServer:
             DnsError: ``host`` does not resolve.
             EndpointError: no port could be bound.
         """
-        if self._server is not None or self._closed:
-            raise EngineStateError("handshake server already started or closed")
+        self._listener.check_startable()
         if not host:
             raise InvalidArgumentError("host must be given; pass '0.0.0.0' to bind all")
         if port is not None and not 0 <= port <= 65535:
             raise InvalidArgumentError(f"port {port} is outside 0..65535")
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(
-                host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )
-        except socket.gaierror as exc:
-            raise DnsError(f"cannot resolve handshake host {host!r}: {exc}") from None
-        family, stype, proto, _, addr = infos[0]
         if port is None:
             low, high = port_range
             candidates = [random.randint(low, high) for _ in range(PORT_ATTEMPTS)]
         else:
             candidates = [port]
-        sock = None
-        last: OSError | None = None
-        for candidate in candidates:
-            try:
-                sock = bind_listener(family, stype, proto, (addr[0], candidate, *addr[2:]), LISTEN_BACKLOG)
-                break
-            except OSError as exc:
-                last = exc
-        if sock is None:
-            where = format_host_port(host, candidates[0] if port is not None else 0)
-            tried = "" if port is not None else f" ({len(candidates)} random ports tried)"
-            raise EndpointError(f"cannot bind handshake listener {where}{tried}: {last}")
-        try:
-            self._server = await asyncio.start_server(self._on_connect, sock=sock)
-        except BaseException:
-            sock.close()
-            raise
-        self._port = sock.getsockname()[1]
-        _log.debug("handshake server listening on %s", format_host_port(host, self._port))
-        return self._port
+        bound = await self._listener.start(host, candidates, backlog=LISTEN_BACKLOG)
+        _log.debug("handshake server listening on %s", format_host_port(host, bound))
+        return bound
 
     async def close(self) -> None:
         """Stop listening, drop every live connection and wait for their tasks."""
-        self._closed = True
-        server, self._server = self._server, None
-        await close_server(server, self._conns)
+        await self._listener.close()
 
-    async def __aenter__(self) -> "HandshakeServer":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if self._closed or len(self._conns) >= self._max_connections:
-            _log.warning(
-                "handshake: refusing %s: %d connections already open",
-                peer_name(writer),
-                len(self._conns),
-            )
-            writer.transport.abort()
-            writer.close()
-            return
-        self._conns.add(task)
-        try:
-            await self._serve(reader, writer)
-        except asyncio.CancelledError:
-            pass  # close() cancels us; end quietly so the loop logs nothing
-        except Exception:  # noqa: BLE001 - never let one peer's failure reach the loop
-            _log.exception("handshake: connection from %s failed", peer_name(writer))
-        finally:
-            self._conns.discard(task)
-            await _close_writer(writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
@@ -313,7 +262,7 @@ async def _exchange(host: str, port: int, where: str, frame: bytes, limit: int) 
     except OSError as exc:
         raise PeerConnectionError(f"connection to {where} failed: {exc}") from None
     finally:
-        await _close_writer(writer)
+        await close_writer(writer)
 
 
 async def _connect_any(infos: list[Any], where: str) -> socket.socket:
@@ -334,8 +283,3 @@ async def _connect_any(infos: list[Any], where: str) -> socket.socket:
             raise
     raise PeerConnectionError(f"cannot connect to {where}: {last}")
 
-
-async def _close_writer(writer: asyncio.StreamWriter) -> None:
-    writer.close()
-    with contextlib.suppress(OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(writer.wait_closed(), _CLOSE_GRACE)

@@ -32,7 +32,7 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..net.addresses import format_host_port
-from .http_store import check_http_status, format_request, http_roundtrip
+from .http_store import check_http_status, http_request
 from .store import (
     DEFAULT_TIMEOUT,
     MetadataStore,
@@ -136,9 +136,9 @@ class EtcdMetadataStore(MetadataStore):
         what = f"etcd {op} {key!r}"
         for host, port in self._endpoints:
             where = f"etcd://{format_host_port(host, port)}"
-            message = format_request("POST", f"/v3/kv/{op}", format_host_port(host, port), body)
             try:
-                status, answer = await http_roundtrip(host, port, message, "POST", where, self._timeout, what=what)
+                status, answer = await http_request(host, port, "POST", f"/v3/kv/{op}", body, url=where,
+                                                    timeout=self._timeout, what=what)
             except PeerConnectionError as exc:
                 unreachable = exc  # try the cluster's next member
                 continue

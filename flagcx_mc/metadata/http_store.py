@@ -1,7 +1,7 @@
 """Mooncake's HTTP metadata protocol, client side: ``GET|PUT|DELETE <url>?key=<escaped key>``.
 
-The HTTP exchange here (one request per connection) is shared with the etcd store, which speaks
-etcd's v3 JSON API over the same kind of request.
+``http_request`` (one request per connection, h11 on asyncio streams) is shared with the etcd
+store, which speaks etcd's v3 JSON API over the same kind of request.
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import asyncio
 import os
 import socket
 import ssl
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
+
+import h11
 
 from ..errors import (
     DnsError,
@@ -25,6 +28,7 @@ from ..errors import (
 )
 from ..net import http as _http
 from ..net.addresses import format_host_port
+from ..net.listeners import close_writer
 from .store import (
     DEFAULT_TIMEOUT,
     MetadataStore,
@@ -34,8 +38,7 @@ from .store import (
     encode_value,
 )
 
-__all__ = ["HttpMetadataStore", "MetadataHttpError", "check_http_status", "format_request", "http_roundtrip",
-           "split_http_url"]
+__all__ = ["HttpMetadataStore", "MetadataHttpError", "check_http_status", "http_request", "split_http_url"]
 
 _MAX_RESPONSE_BODY = 64 * 1024 * 1024
 
@@ -92,16 +95,16 @@ class HttpMetadataStore(MetadataStore):
         self._url = url
         self._timeout = check_timeout(timeout)
         self._ssl = ssl.create_default_context() if https else None
-        # Host header: the port only when it is not the scheme's default (RFC 9110 7.2).
-        if self._port == (443 if https else 80):
-            self._host_header = f"[{self._host}]" if ":" in self._host else self._host
-        else:
-            self._host_header = format_host_port(self._host, self._port)
         if token is None:
             token = os.environ.get("MC_METADATA_HTTP_TOKEN") or None
-        if token is not None and any(c in token for c in "\r\n\0"):
-            raise InvalidArgumentError("metadata token may not contain CR, LF or NUL")
-        self._token = token
+        self._auth: tuple[tuple[bytes, bytes], ...] = ()
+        if token is not None:
+            if any(c in token for c in "\r\n\0"):
+                raise InvalidArgumentError("metadata token may not contain CR, LF or NUL")
+            try:
+                self._auth = ((b"Authorization", b"Bearer " + token.encode("latin-1")),)
+            except UnicodeEncodeError:
+                raise InvalidArgumentError("metadata token must be latin-1 text") from None
         self._closed = False
 
     @property
@@ -155,25 +158,9 @@ class HttpMetadataStore(MetadataStore):
         if self._closed:
             raise EngineStateError("metadata store is closed")
         target = self._target + "key=" + quote(key, safe="")
-        extra = (f"Authorization: Bearer {self._token}",) if self._token is not None else ()
-        try:
-            message = format_request(method, target, self._host_header, body, extra)
-        except UnicodeEncodeError:
-            raise InvalidArgumentError("metadata token must be latin-1 text") from None
-        return await http_roundtrip(self._host, self._port, message, method, self._url, self._timeout,
-                                    what=f"{method} {key!r}", ssl_context=self._ssl)
-
-
-def format_request(method: str, target: str, host_header: str, body: bytes | None,
-                   extra_headers: tuple[str, ...] = ()) -> bytes:
-    """One HTTP/1.1 request as the metadata clients send it: JSON in and out, one connection per
-    request.  Raises UnicodeEncodeError for header text that is not latin-1."""
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}", "User-Agent: flagcx_mc",
-             "Accept: application/json", "Connection: close"]
-    if body is not None:
-        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    lines += extra_headers
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        return await http_request(self._host, self._port, method, target, body, url=self._url,
+                                  timeout=self._timeout, what=f"{method} {key!r}", headers=self._auth,
+                                  ssl_context=self._ssl)
 
 
 def check_http_status(what: str, url: str, status: int, body: bytes) -> None:
@@ -184,21 +171,69 @@ def check_http_status(what: str, url: str, status: int, body: bytes) -> None:
     raise MetadataHttpError(f"{what} on {url}: HTTP {status}: {text}", status, text)
 
 
-async def http_roundtrip(host: str, port: int, message: bytes, method: str, url: str, timeout: float, *,
-                         what: str, ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
-    """Send one HTTP/1.1 request (``Connection: close``) and read its answer: ``(status, body)``.
+async def http_request(
+    host: str,
+    port: int,
+    method: str,
+    target: str,
+    body: bytes | None = None,
+    *,
+    url: str,
+    timeout: float,
+    what: str,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[int, bytes]:
+    """One HTTP/1.1 request on a connection of its own (``Connection: close``): ``(status, body)``.
 
-    The errors are the module's: ``DnsError``, ``PeerConnectionError``, ``HandshakeTimeoutError``
-    (no full answer within ``timeout``), ``RemoteProtocolError``.  ``url`` and ``what`` name the
-    server and the operation in their messages.
+    The request carries ``Host``, asks for JSON and, with a ``body``, sends it as JSON;
+    ``headers`` are added as given.  ``url`` and ``what`` name the server and the operation
+    in error messages.
+
+    Raises:
+        InvalidArgumentError: a request h11 cannot send (a control character in a header).
+        DnsError: the host does not resolve.
+        PeerConnectionError: refused, reset, or closed before a full answer.
+        HandshakeTimeoutError: no full answer within ``timeout``, connect included.
+        RemoteProtocolError: the answer is not HTTP/1.1, or its body exceeds 64 MiB.
     """
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_http.MAX_HEAD)
+    fields: list[tuple[bytes, bytes]] = [
+        (b"Host", _host_header(host, port, ssl_context is not None)),
+        (b"User-Agent", b"flagcx_mc"),
+        (b"Accept", b"application/json"),
+        (b"Connection", b"close"),
+    ]
+    if body is not None:
+        fields += [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode())]
+    fields += headers
     try:
-        return await asyncio.wait_for(_exchange(host, port, message, method, url, ssl_context), timeout)
+        message = conn.send(h11.Request(method=method, target=target, headers=fields))
+        if body:
+            message += conn.send(h11.Data(data=body))
+        message += conn.send(h11.EndOfMessage())
+    except (h11.LocalProtocolError, UnicodeEncodeError) as exc:  # h11 sends ASCII names and targets
+        raise InvalidArgumentError(f"{what} on {url}: cannot send this request: {exc}") from None
+    try:
+        return await asyncio.wait_for(_exchange(conn, host, port, message, url, ssl_context), timeout)
     except asyncio.TimeoutError:
         raise HandshakeTimeoutError(f"{what} on {url}: no answer within {timeout}s") from None
 
 
-async def _exchange(host: str, port: int, message: bytes, method: str, url: str,
+def _host_header(host: str, port: int, https: bool) -> bytes:
+    """``Host``: the port only when it is not the scheme's default (RFC 9110 7.2); a name
+    that is not ASCII in its IDNA form, as DNS knows it."""
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError as exc:
+            raise InvalidArgumentError(f"invalid host name {host!r}: {exc}") from None
+    if port == (443 if https else 80):
+        return (f"[{host}]" if ":" in host else host).encode("ascii")
+    return format_host_port(host, port).encode("ascii")
+
+
+async def _exchange(conn: h11.Connection, host: str, port: int, message: bytes, url: str,
                     ssl_context: ssl.SSLContext | None) -> tuple[int, bytes]:
     try:
         reader, writer = await asyncio.open_connection(
@@ -212,34 +247,34 @@ async def _exchange(host: str, port: int, message: bytes, method: str, url: str,
         raise DnsError(f"cannot resolve metadata server {url}: {exc}") from None
     except OSError as exc:
         raise PeerConnectionError(f"cannot connect to metadata server {url}: {exc}") from None
+    events = _http.EventReader(conn, reader)
     try:
         writer.write(message)
         await writer.drain()
-        return await _read_response(reader, method)
-    except _http.HttpViolation as exc:
+        return await _read_response(events)
+    except h11.RemoteProtocolError as exc:
+        if events.eof:  # h11 needed more than the server sent before it closed
+            raise PeerConnectionError(
+                f"metadata server {url} closed the connection before a full answer"
+            ) from None
         raise RemoteProtocolError(f"bad answer from metadata server {url}: {exc}") from None
-    except asyncio.IncompleteReadError:
-        raise PeerConnectionError(f"metadata server {url} closed the connection before a full answer") from None
     except FlagcxMcError:
         raise
     except OSError as exc:
         raise PeerConnectionError(f"connection to metadata server {url} failed: {exc}") from None
     finally:
-        await _http.close_writer(writer)
+        await close_writer(writer)
 
 
-async def _read_response(reader: asyncio.StreamReader, method: str) -> tuple[int, bytes]:
+async def _read_response(events: _http.EventReader) -> tuple[int, bytes]:
     while True:
-        head = _http.parse_response_head(await _http.read_head(reader))
-        status = int(head.start[0])
-        if status >= 200:
+        event = await events.next_event()
+        if isinstance(event, h11.Response):
             break
-        if status == 101:
-            raise _http.HttpViolation("unexpected protocol switch")
+        if not isinstance(event, h11.InformationalResponse):  # the server closed: no answer
+            raise h11.RemoteProtocolError(f"no response, got {type(event).__name__}", 400)
         # 1xx: an interim answer (100 Continue); the real one follows.
-    if method == "HEAD" or status in (204, 304):
-        return status, b""
-    if head.get("transfer-encoding") is None and head.get("content-length") is None:
-        return status, await _http.read_until_eof(reader, _MAX_RESPONSE_BODY)
-    framing = _http.body_framing(head, _MAX_RESPONSE_BODY)
-    return status, await _http.read_body(reader, framing, _MAX_RESPONSE_BODY)
+    length = _http.declared_length(event)
+    if length is not None and length > _MAX_RESPONSE_BODY:
+        raise h11.RemoteProtocolError(f"a {length}-byte body exceeds the {_MAX_RESPONSE_BODY}-byte limit", 413)
+    return event.status_code, await events.read_body(_MAX_RESPONSE_BODY)

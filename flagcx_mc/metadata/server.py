@@ -14,11 +14,13 @@ does, in this order:
 - ``DELETE``: 200, or 404 if the key is absent;
 - any other method -> 405.
 
-Added here: bodies above ``max_body`` -> 413; malformed HTTP -> 400 (oversized head 431,
-unknown transfer coding 501, HTTP other than 1.x 505, unknown ``Expect`` 417), after
+Added here: bodies above ``max_body`` -> 413; malformed HTTP -> 400 (oversized head or
+more than 100 header fields 431, unknown transfer coding 501, HTTP other than 1.x 505,
+unknown ``Expect`` 417, both ``Content-Length`` and ``Transfer-Encoding`` 400), after
 which the connection is closed. ``Expect: 100-continue`` (curl sends it with larger
-bodies) is honoured; connections are kept alive per HTTP/1.1 rules. It binds only the
-host it is given.
+bodies) is honoured; connections are kept alive per HTTP/1.1 rules. h11 parses and
+formats the messages (``flagcx_mc.net.http`` feeds it from the connection); connections
+come from ``flagcx_mc.net.listeners.BoundedServer``. It binds only the host it is given.
 
 Run it as ``python -m flagcx_mc.metadata.server --port 8080``; the first line on stdout is
 the bound port.
@@ -33,17 +35,22 @@ import ipaddress
 import logging
 import os
 import signal
-import socket
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlsplit
+
+import h11
 
 from ..errors import DnsError, EndpointError, EngineStateError, InvalidArgumentError
 from ..net import http as _http
 from ..net.addresses import format_host_port
-from ..net.listeners import bind_listener, close_server, peer_name
+from ..net.listeners import BoundedServer, peer_name
 
-__all__ = ["MetadataServer", "main", "DEFAULT_PORT", "DEFAULT_MAX_BODY"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DEFAULT_MAX_BODY", "DEFAULT_PORT", "MetadataServer", "main"]
 
 _log = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ DEFAULT_MAX_KEYS = 65536  # the reference server's MC_METADATA_MAX_KEYS default
 DEFAULT_MAX_TOTAL_BYTES = 1 << 30  # ... and its MC_METADATA_MAX_TOTAL_BYTES default
 _LISTEN_BACKLOG = 128
 _MAX_BLANK_LINES = 16  # stray CRLFs tolerated between requests on one connection
+_MAX_HEADERS = 100
 _JSON = "application/json"
 _TEXT = "text/plain; charset=utf-8"
 
@@ -114,20 +122,20 @@ class MetadataServer:
         self._max_keys = max_keys
         self._max_total_bytes = max_total_bytes
         self._idle_timeout = float(idle_timeout)
-        self._max_connections = max_connections
         self._store: dict[str, bytes] = {}
         self._total_bytes = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._port: int | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self._listener = BoundedServer(
+            self._serve, name="metadata server", log=_log, max_connections=max_connections,
+            stream_limit=_http.MAX_HEAD,
+        )
 
     @property
     def port(self) -> int:
         """The bound port (raises EngineStateError before ``start``)."""
-        if self._port is None:
+        port = self._listener.port
+        if port is None:
             raise EngineStateError("metadata server is not started")
-        return self._port
+        return port
 
     @property
     def url(self) -> str:
@@ -149,38 +157,16 @@ class MetadataServer:
             DnsError: the host does not resolve.
             EndpointError: the port cannot be bound.
         """
-        if self._server is not None or self._closed:
-            raise EngineStateError("metadata server already started or closed")
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(
-                self._host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )
-        except socket.gaierror as exc:
-            raise DnsError(f"cannot resolve metadata server host {self._host!r}: {exc}") from None
-        family, stype, proto, _, addr = infos[0]
-        where = format_host_port(self._host, self._requested_port)
-        try:
-            sock = bind_listener(family, stype, proto, (addr[0], self._requested_port, *addr[2:]), _LISTEN_BACKLOG)
-        except OSError as exc:
-            raise EndpointError(f"cannot bind metadata server to {where}: {exc}") from None
-        try:
-            self._server = await asyncio.start_server(self._on_connect, sock=sock, limit=_http.MAX_HEAD)
-        except BaseException:
-            sock.close()
-            raise
-        self._port = sock.getsockname()[1]
+        port = await self._listener.start(self._host, [self._requested_port], backlog=_LISTEN_BACKLOG)
         _log.info("metadata server listening on %s", self.url)
-        return self._port
+        return port
 
     async def close(self) -> None:
         """Stop listening, drop every connection and wait for their tasks. Idempotent."""
-        self._closed = True
-        server, self._server = self._server, None
-        await close_server(server, self._conns)
+        await self._listener.close()
 
-    async def __aenter__(self) -> "MetadataServer":
-        if self._server is None:
+    async def __aenter__(self) -> Self:
+        if self._listener.port is None:
             await self.start()
         return self
 
@@ -189,92 +175,83 @@ class MetadataServer:
 
     # --- connections ----------------------------------------------------------------------
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if self._closed or len(self._conns) >= self._max_connections:
-            _log.warning("metadata server: refusing %s: %d connections open", peer_name(writer), len(self._conns))
-            writer.transport.abort()
-            writer.close()
-            return
-        self._conns.add(task)
-        try:
-            await self._serve(reader, writer)
-        except asyncio.CancelledError:
-            pass  # close() cancels us; end quietly
-        except Exception:  # noqa: BLE001 - one client's failure never reaches the loop
-            _log.exception("metadata server: connection from %s failed", peer_name(writer))
-        finally:
-            self._conns.discard(task)
-            await _http.close_writer(writer)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        blank = 0
-        while not self._closed:
-            try:
-                raw = await asyncio.wait_for(_http.read_head(reader), self._idle_timeout)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
-                return  # idle, closed by the client, or reset
-            except _http.HttpViolation as exc:
-                await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
-                return
-            raw = raw.lstrip(b"\r\n")
-            if not raw:
-                blank += 1
-                if blank > _MAX_BLANK_LINES:
-                    return
-                continue
-            blank = 0
-            if not await self._handle(raw, reader, writer):
-                return
+        """Answer requests until the client or the server closes, or one must close.
 
-    async def _handle(self, raw: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; return whether the connection stays open."""
+        Each request gets an ``h11.Connection`` of its own; bytes it left unread (pipelined
+        requests) start the next one, after up to ``_MAX_BLANK_LINES`` empty lines.
+        """
+        pending, eof = b"", False
+        while not self._listener.closed:
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_http.MAX_HEAD)
+            events = _http.EventReader(conn, reader, pending=pending, eof=eof, blank_lines=_MAX_BLANK_LINES)
+            if not await self._handle(conn, events, writer):
+                return
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return  # either side asked to close (Connection: close, HTTP/1.0)
+            pending, eof = conn.trailing_data
+
+    async def _handle(self, conn: h11.Connection, events: _http.EventReader, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; return whether the connection may carry another."""
+        loop = asyncio.get_running_loop()
         try:
-            head = _http.parse_request_head(raw)
-            method, target, version = head.start
-            if version == "1.1" and head.get("host") is None:
-                raise _http.HttpViolation("HTTP/1.1 request without a Host header")
-            framing = _http.body_framing(head, self._max_body)
-            expect = head.tokens("expect")
-            if expect and expect != ["100-continue"]:
-                raise _http.HttpViolation(f"cannot meet expectation {head.get('expect')!r}", 417)
-        except _http.HttpViolation as exc:
+            request = await events.next_event(loop.time() + self._idle_timeout)
+            if not isinstance(request, h11.Request):
+                return False  # the client closed between requests
+            self._check_request(request)
+        except (asyncio.TimeoutError, OSError):
+            return False  # idle, or reset
+        except h11.RemoteProtocolError as exc:
             _log.info("metadata server: bad request from %s: %s", peer_name(writer), exc)
-            await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
+            await self._send(conn, writer, exc.error_status_hint, str(exc).encode(), close=True, content_type=_TEXT)
             return False
-        connection = head.tokens("connection")
-        keep_alive = "close" not in connection and (version == "1.1" or "keep-alive" in connection)
-        head_only = method == "HEAD"
+        method = request.method.decode("ascii")
+        has_body = _http.header(request, b"transfer-encoding") is not None or bool(_http.declared_length(request))
+        if not has_body:
+            try:  # h11 reports the empty body's end; the request is then complete
+                await events.read_body(0, loop.time() + self._idle_timeout)
+            except (asyncio.TimeoutError, OSError, h11.RemoteProtocolError):
+                return False
         try:
-            key = self._route(method, target, head)
+            key = self._route(method, request.target.decode("ascii"), request)
         except _Reject as reject:
             # An unread body would be taken for the next request: close instead.
-            close = not keep_alive or framing != 0
-            sent = await self._send(
-                writer, reject.status, reject.message, close=close,
-                head_only=head_only, content_type=reject.content_type,
+            return await self._send(
+                conn, writer, reject.status, reject.message, close=has_body,
+                head_only=method == "HEAD", content_type=reject.content_type,
             )
-            return sent and not close
         body = b""
-        if framing != 0:
-            if expect:
-                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if has_body:
+            if conn.they_are_waiting_for_100_continue:
+                writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")))
             try:
-                body = await asyncio.wait_for(
-                    _http.read_body(reader, framing, self._max_body), self._idle_timeout
-                )
-            except _http.HttpViolation as exc:
-                await self._send(writer, exc.status, str(exc).encode(), close=True, content_type=_TEXT)
+                body = await events.read_body(self._max_body, loop.time() + self._idle_timeout)
+            except (asyncio.TimeoutError, OSError):
                 return False
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            except h11.RemoteProtocolError as exc:
+                await self._send(conn, writer, exc.error_status_hint, str(exc).encode(), close=True, content_type=_TEXT)
                 return False
         status, message = self._apply(method, key, body)
         _log.debug("metadata server: %s %r -> %d", method, key, status)
-        sent = await self._send(writer, status, message, close=not keep_alive)
-        return sent and keep_alive
+        return await self._send(conn, writer, status, message, close=False)
 
-    def _route(self, method: str, target: str, head: _http.Head) -> str:
+    def _check_request(self, request: h11.Request) -> None:
+        """Refuse what h11 lets through but this server will not serve (h11's status hints)."""
+        if not request.http_version.startswith(b"1."):
+            raise h11.RemoteProtocolError(f"HTTP/{request.http_version.decode()} is not supported", 505)
+        if len(request.headers) > _MAX_HEADERS:
+            raise h11.RemoteProtocolError(f"more than {_MAX_HEADERS} header fields", 431)
+        if _http.header(request, b"transfer-encoding") is not None and _http.header(request, b"content-length"):
+            # RFC 9112 6.1 lets a server reject these; they are how requests are smuggled.
+            raise h11.RemoteProtocolError("both Content-Length and Transfer-Encoding", 400)
+        length = _http.declared_length(request)
+        if length is not None and length > self._max_body:
+            raise h11.RemoteProtocolError(f"body of {length} bytes exceeds the {self._max_body}-byte limit", 413)
+        expect = _http.header(request, b"expect")
+        if expect is not None and expect.strip().lower() != "100-continue":
+            raise h11.RemoteProtocolError(f"cannot meet expectation {expect!r}", 417)
+
+    def _route(self, method: str, target: str, request: h11.Request) -> str:
         """The key a request addresses; raises ``_Reject`` for anything the store won't do."""
         if target.startswith("/"):
             path, _, query = target.partition("?")
@@ -287,7 +264,7 @@ class MetadataServer:
             raise _Reject(400, f"invalid request target {target[:80]!r}", _TEXT)
         if unquote(path) != "/metadata":
             raise _Reject(404, "404: Not Found", _TEXT)
-        if self._token is not None and not self._token_ok(head):
+        if self._token is not None and not self._token_ok(request):
             raise _Reject(401, "unauthorized")
         try:
             params = parse_qsl(query, keep_blank_values=True, errors="strict", max_num_fields=64)
@@ -300,9 +277,9 @@ class MetadataServer:
             raise _Reject(405, "Method not allowed")
         return key
 
-    def _token_ok(self, head: _http.Head) -> bool:
+    def _token_ok(self, request: h11.Request) -> bool:
         assert self._token is not None
-        scheme, _, presented = (head.get("authorization") or "").partition(" ")
+        scheme, _, presented = (_http.header(request, b"authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not presented:
             return False
         return hmac.compare_digest(presented.encode("latin-1"), self._token)
@@ -337,6 +314,7 @@ class MetadataServer:
 
     async def _send(
         self,
+        conn: h11.Connection,
         writer: asyncio.StreamWriter,
         status: int,
         body: bytes,
@@ -345,14 +323,23 @@ class MetadataServer:
         head_only: bool = False,
         content_type: str = _JSON,
     ) -> bool:
-        writer.write(
-            _http.format_response(status, body, close=close, head_only=head_only, content_type=content_type)
-        )
+        """Send one response; return whether the connection may carry another request."""
+        fields = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+        if close:
+            fields.append(("Connection", "close"))
+        try:
+            data = conn.send(h11.Response(status_code=status, headers=fields, reason=_http.reason(status)))
+            if body and not head_only:
+                data += conn.send(h11.Data(data=body))
+            data += conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # a state in which no response can be sent
+            return False
+        writer.write(data)
         try:
             await asyncio.wait_for(writer.drain(), self._idle_timeout)
         except (OSError, asyncio.TimeoutError):
             return False
-        return True
+        return not close
 
 
 # --- command line --------------------------------------------------------------------------

@@ -1,2 +1,2 @@
-"""Networking shared by the control plane and the metadata stores: ``host:port`` rules, bounded
-asyncio listeners and the HTTP/1.1 exchange the metadata clients and server speak."""
+"""Networking shared by the control plane and the metadata stores: ``host:port`` rules, the
+bounded asyncio server skeleton, and the asyncio glue under h11 for HTTP/1.1."""
