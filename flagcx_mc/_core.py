@@ -7,6 +7,7 @@ Every call into ``lib`` releases the GIL (cffi does so for each call), so the bl
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from . import errors
@@ -51,6 +52,29 @@ def last_error() -> str:
     return ffi.string(lib.fmc_last_error()).decode(errors="replace")
 
 
+def as_u64(value: object, what: str) -> int:
+    """``value`` as an unsigned 64-bit int (ints and int-like objects such as numpy integers);
+    anything else, bools and negative numbers included, is an ``InvalidArgumentError``."""
+    if isinstance(value, bool):
+        raise errors.InvalidArgumentError(f"{what} must be an int, not a bool")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise errors.InvalidArgumentError(f"{what} must be an int, not {type(value).__name__}") from None
+    if not 0 <= number <= _U64_MAX:
+        raise errors.InvalidArgumentError(f"{what} {number} is outside 0..2**64-1")
+    return number
+
+
+def as_u64_list(values: object, what: str) -> List[int]:
+    """A list or tuple of unsigned 64-bit ints (``as_u64`` for each); a string, a scalar or any
+    other iterable is an ``InvalidArgumentError``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, range)):
+        if not (hasattr(values, "__len__") and hasattr(values, "__getitem__")):  # numpy arrays
+            raise errors.InvalidArgumentError(f"{what} must be a list of ints, not {type(values).__name__}")
+    return [as_u64(v, f"{what}[{i}]") for i, v in enumerate(values)]  # type: ignore[arg-type]
+
+
 def _raise_for(rc: int, context: str = "") -> None:
     if rc < 0:
         message = last_error()
@@ -93,15 +117,13 @@ class CoreEngine:
 
     def register(self, addr: int, length: int) -> int:
         """Register [addr, addr+length); returns the region's random 32-bit key."""
-        if not (0 <= addr <= _U64_MAX and 0 <= length <= _U64_MAX):
-            raise errors.InvalidArgumentError(f"address/length out of range: {addr:#x}, {length}")
+        addr, length = as_u64(addr, "address"), as_u64(length, "length")
         key = ffi.new("uint32_t *")
         _raise_for(lib.fmc_register(self._ptr, addr, length, key))
         return int(key[0])
 
     def unregister(self, addr: int) -> None:
-        if not 0 <= addr <= _U64_MAX:
-            raise errors.InvalidArgumentError(f"address out of range: {addr:#x}")
+        addr = as_u64(addr, "address")
         _raise_for(lib.fmc_unregister(self._ptr, addr))
 
     def region_table(self) -> List[Tuple[int, int, int]]:

@@ -15,7 +15,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 from .. import errors
-from .._core import CoreEngine
+from .._core import CoreEngine, as_u64, as_u64_list
 from ..config import EngineConfig
 from ..control.auth import authed_request
 from ..control.codec import MessageType
@@ -24,7 +24,14 @@ from ..metadata.connect import P2P_HANDSHAKE
 from ..names import TransferNotify
 from ..net.addresses import parse_host_port
 from .batches import PendingBatch
-from .requests import OP_READ, OP_WRITE, RemoteDesc, TransferRequest, mooncake_opcode
+from .requests import (
+    OP_READ,
+    OP_WRITE,
+    RemoteDesc,
+    TransferRequest,
+    check_notify,
+    mooncake_opcode,
+)
 from .sessions import Session
 from .state import EngineState
 
@@ -139,33 +146,35 @@ class AsyncTransferEngine:
                 hold other buffers too: release it with ``free_managed_buffer``).
         """
         core = self._require_core()
-        self._refuse_managed(buffer_addr)
-        await self._in_executor(core.unregister, buffer_addr)
+        await self._in_executor(core.unregister, self._refuse_managed(buffer_addr))
         await self._state.publish_removed()
 
     async def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                                     location: str = "*") -> None:
         """Register several regions, all or none."""
-        if len(buffer_addresses) != len(capacities):
+        addrs = as_u64_list(buffer_addresses, "buffer_addresses")
+        lengths = as_u64_list(capacities, "capacities")
+        if len(addrs) != len(lengths):
             raise errors.InvalidArgumentError("buffer_addresses and capacities differ in length")
         core = self._require_core()
-        addrs = list(buffer_addresses)
-        await self._in_executor(_register_all, core, addrs, list(capacities))
+        await self._in_executor(_register_all, core, addrs, lengths)
         await self._state.publish_added(lambda: _unregister_each(core, addrs))
 
-    def _refuse_managed(self, addr: int) -> None:
+    def _refuse_managed(self, addr: int) -> int:
+        """``addr`` as an int, unless it is managed memory (which only free_managed_buffer releases)."""
+        addr = as_u64(addr, "address")
         if self._state.is_managed(addr):
             raise errors.InvalidArgumentError(
                 f"{addr:#x} is managed memory (allocate_managed_buffer): release it with free_managed_buffer")
+        return addr
 
     async def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> None:
         """Unregister every address; raises the first error after trying them all."""
         core = self._require_core()
         first: Optional[errors.FlagcxMcError] = None
-        for addr in list(buffer_addresses):
+        for addr in as_u64_list(buffer_addresses, "buffer_addresses"):
             try:
-                self._refuse_managed(addr)
-                await self._in_executor(core.unregister, addr)
+                await self._in_executor(core.unregister, self._refuse_managed(addr))
             except errors.FlagcxMcError as exc:
                 first = first or exc
         await self._state.publish_removed()
@@ -185,23 +194,30 @@ class AsyncTransferEngine:
 
     async def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> None:
         """Copy ``src[:length]`` into registered memory at ``dest_address``."""
-        data = memoryview(src).cast("B")
-        if not 0 <= length <= len(data):
+        try:
+            data = memoryview(src).cast("B")
+        except TypeError:
+            raise errors.InvalidArgumentError(f"src must be bytes-like, not {type(src).__name__}") from None
+        length = as_u64(length, "length")
+        if length > len(data):
             raise errors.InvalidArgumentError(f"length {length} outside the {len(data)} source bytes")
-        self._check_local(dest_address, length)
+        dest_address, length = self._check_local(dest_address, length)
         ctypes.memmove(dest_address, bytes(data[:length]), length)
 
     async def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
         """Return ``length`` bytes of registered memory at ``source_address``."""
-        self._check_local(source_address, length)
+        source_address, length = self._check_local(source_address, length)
         return ctypes.string_at(source_address, length)
 
-    def _check_local(self, addr: int, length: int) -> None:
+    def _check_local(self, addr: int, length: int) -> tuple[int, int]:
+        """``(addr, length)`` as ints, once they are known to lie inside one registered region."""
         core = self._require_core()
+        addr, length = as_u64(addr, "address"), as_u64(length, "length")
         if length == 0:
-            return
+            return addr, length
         if not any(a <= addr and addr + length <= a + n for a, n, _ in core.region_table()):
             raise errors.AddressNotRegisteredError(f"[{addr:#x}, +{length}) is not inside one registered region")
+        return addr, length
 
     # ------------------------------------------------------------------ synchronous transfers
 
@@ -240,6 +256,7 @@ class AsyncTransferEngine:
     async def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
                                   notify: Optional[TransferNotify] = None, transport_hint: str = "") -> None:
+        check_notify(notify)
         req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         session = await self._transfer(target_hostname, req)
         if notify is not None:
@@ -296,7 +313,7 @@ class AsyncTransferEngine:
     async def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> None:
         """Wait for every batch; each is forgotten once done.  Raises the first failure."""
         first: Optional[errors.FlagcxMcError] = None
-        for batch_id in list(batch_ids):
+        for batch_id in as_u64_list(batch_ids, "batch_ids"):
             try:
                 pending = self._state.batches.get(batch_id)
             except errors.FlagcxMcError as exc:
@@ -332,7 +349,8 @@ class AsyncTransferEngine:
 
     def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:
         """The remote region and key that wholly hold [remote_addr, remote_addr + size)."""
-        base, key = conn.peer.find_region(remote_addr, size)
+        remote_addr, size = as_u64(remote_addr, "remote_addr"), as_u64(size, "size")
+        base, key = _session(conn).peer.find_region(remote_addr, size)
         return RemoteDesc(remote_addr, size, base, key)
 
     async def write_vector(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
@@ -345,6 +363,10 @@ class AsyncTransferEngine:
         return await self._vector(OP_READ, conn, local_addrs, descs, sizes)
 
     async def _vector(self, op: int, conn: Session, local_addrs, descs, sizes) -> int:
+        conn = _session(conn)
+        sizes = as_u64_list(sizes, "sizes")
+        if not isinstance(descs, (list, tuple)) or not all(isinstance(d, RemoteDesc) for d in descs):
+            raise errors.InvalidArgumentError("descs must be a list of make_desc results")
         if len(descs) != len(sizes) or any(s > d.size for d, s in zip(descs, sizes)):
             raise errors.InvalidArgumentError("each size must be at most its descriptor's size")
         req = TransferRequest.build(op, local_addrs, [d.addr for d in descs], sizes)
@@ -419,6 +441,12 @@ class AsyncTransferEngine:
 
     async def _in_executor(self, fn, *args):
         return await self._state.run_blocking(fn, *args)
+
+
+def _session(conn: object) -> Session:
+    if not isinstance(conn, Session):
+        raise errors.InvalidArgumentError(f"conn must be what get_conn returned, not {type(conn).__name__}")
+    return conn
 
 
 def _listdir(path: str) -> List[str]:

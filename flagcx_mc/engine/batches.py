@@ -43,6 +43,8 @@ class BatchTable:
             return batch_id
 
     def get(self, batch_id: int) -> PendingBatch:
+        if type(batch_id) is not int:
+            raise errors.InvalidArgumentError(f"a batch id is an int, not {type(batch_id).__name__}")
         with self._lock:
             pending = self._items.get(batch_id)
         if pending is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 from .. import errors
+from .._core import as_u64
 
 __all__ = ["ManagedPool", "MIN_BLOCK"]
 
@@ -36,7 +37,7 @@ def _map_shared(size: int, name: str) -> _Mapping:
     try:
         os.ftruncate(fd, size)
         m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
+    except (OSError, OverflowError, ValueError) as exc:
         os.close(fd)
         raise errors.OutOfMemoryError(f"cannot map {size} bytes of managed memory: {exc}") from None
     cview = ctypes.c_char.from_buffer(m)
@@ -67,8 +68,9 @@ class ManagedPool:
 
     def allocate(self, length: int) -> int:
         """Return the address of a registered block of at least ``length`` bytes."""
-        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
-            raise errors.InvalidArgumentError(f"managed buffer length must be a positive int, got {length!r}")
+        length = as_u64(length, "managed buffer length")
+        if length == 0:
+            raise errors.InvalidArgumentError("managed buffer length must be positive")
         size = _class_of(length)
         with self._lock:
             if size > self._chunk_size:
@@ -93,6 +95,7 @@ class ManagedPool:
 
     def free(self, addr: int, length: int) -> None:
         """Give a block back (``length`` as allocated, for Mooncake's signature; not trusted)."""
+        addr = as_u64(addr, "address")
         with self._lock:
             size = self._live.pop(addr, None)
             if size is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -9,7 +10,7 @@ from .. import errors
 from .._argpack import pack3
 from .._core import OP_READ, OP_WRITE, CoreBatch, ffi
 from ..config import EngineConfig
-from ..names import TransferOpcode
+from ..names import TransferNotify, TransferOpcode
 
 __all__ = ["TransferRequest", "SingleTransfer", "RemoteDesc", "needs_refresh", "mooncake_opcode", "opcode_name",
            "OP_READ", "OP_WRITE"]
@@ -96,10 +97,19 @@ def opcode_name(opcode: int) -> str:
 def mooncake_opcode(opcode: int) -> int:
     """The core's opcode for Mooncake's ``TransferOpcode`` (or its int value)."""
     try:
-        op = TransferOpcode(int(opcode))
+        if isinstance(opcode, bool):
+            raise TypeError("a bool is not an opcode")
+        op = TransferOpcode(operator.index(opcode))
     except (TypeError, ValueError):
         raise errors.InvalidArgumentError(f"opcode must be TransferOpcode.Read or .Write, got {opcode!r}") from None
     return OP_WRITE if op is TransferOpcode.Write else OP_READ
+
+
+def check_notify(notify: object) -> None:
+    """A notification is a ``TransferNotify`` (or ``None``); checked before any byte moves."""
+    if notify is not None and not (isinstance(notify, TransferNotify)
+                                   and isinstance(notify.name, str) and isinstance(notify.msg, str)):
+        raise errors.InvalidArgumentError(f"notify must be a TransferNotify(name, msg) of strs, not {notify!r}")
 
 
 @dataclass(frozen=True)

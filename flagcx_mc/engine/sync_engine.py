@@ -26,6 +26,7 @@ from .requests import (
     RemoteDesc,
     SingleTransfer,
     TransferRequest,
+    check_notify,
     mooncake_opcode,
 )
 from .sessions import Session, SessionCache
@@ -277,6 +278,7 @@ class TransferEngine:
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                             peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
                             notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+        check_notify(notify)
         req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         self._transfer(target_hostname, req)
         if notify is not None:
