@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import time
+import weakref
 from typing import Any, List, Optional, Sequence
 
 from .. import errors
@@ -47,6 +48,8 @@ class AsyncTransferEngine:
 
     def __init__(self, **config: Any) -> None:
         self._state = EngineState(EngineConfig.from_env(**config))
+        # Code written for Mooncake never closes an engine: dropping the last reference does.
+        weakref.finalize(self, self._state.abandon)
 
     @classmethod
     def over(cls, state: EngineState) -> "AsyncTransferEngine":

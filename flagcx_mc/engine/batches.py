@@ -28,6 +28,13 @@ class PendingBatch:
         return max(0, int((self.deadline - time.monotonic()) * 1000))
 
 
+def _ints(values: object) -> list:
+    try:
+        return [v for v in values if type(v) is int]  # type: ignore[attr-defined]
+    except TypeError:
+        return []
+
+
 class BatchTable:
     """Live batches keyed by id; thread-safe."""
 
@@ -50,6 +57,12 @@ class BatchTable:
         if pending is None:
             raise errors.InvalidArgumentError(f"unknown batch id {batch_id!r}")
         return pending
+
+    def latest_remaining(self, batch_ids: object) -> float:
+        """Seconds until the latest deadline among these batches (0 for none known)."""
+        with self._lock:
+            deadlines = [p.deadline for i, p in self._items.items() if i in set(_ints(batch_ids))]
+        return max((d - time.monotonic() for d in deadlines), default=0.0)
 
     def discard(self, batch_id: int) -> None:
         """Forget a batch; freeing it cancels whatever is still in flight."""

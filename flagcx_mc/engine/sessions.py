@@ -56,6 +56,10 @@ class SessionCache:
         self._refreshing: Dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
 
+    def open_sessions(self) -> list:
+        """The sessions open now (a snapshot)."""
+        return list(self._open.values())
+
     def peek(self, name: str) -> Optional[Session]:
         """The open, healthy session for ``name`` or None; safe from any thread."""
         session = self._open.get(name)

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import logging
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Deque, Optional, TypeVar
 
@@ -58,6 +59,11 @@ class EngineState:
         self.name = ""
         self.rpc_port = 0
         self.closed = False
+        # One entry per thread inside the core outside the wait executor (the sync facade's
+        # calling threads): list.append and list.pop are atomic, so entering costs ~50 ns.
+        # Stopping waits for it to empty before freeing the core.
+        self.calls_in_core: list = []
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop the engine started on
         self._core: Optional[CoreEngine] = None
         self._server: Optional[HandshakeServer] = None
         self._sessions: Optional[SessionCache] = None
@@ -82,6 +88,7 @@ class EngineState:
         if kind != "p2p":
             host = self.config.advertise_host or await _resolvable_host(host)
         loop = asyncio.get_running_loop()
+        self.loop = loop
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
         low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
@@ -141,12 +148,57 @@ class EngineState:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.batches.cancel_all)
             await loop.run_in_executor(None, executor.shutdown, True)
+        drained = await self._calls_drained()
+        self._free(drained)
+
+    async def _calls_drained(self) -> bool:
+        """Wait until no calling thread is inside the core (their sessions are closed by now, so
+        each fails within moments), at most one transfer timeout."""
+        deadline = time.monotonic() + self.config.transfer_timeout
+        while self.calls_in_core and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        return not self.calls_in_core
+
+    def _free(self, drained: bool) -> None:
         if self._managed is not None:
             self._managed.close()
             self._managed = None
         if self._core is not None:
             core, self._core = self._core, None
-            core.close()
+            if drained:
+                core.close()
+            else:  # freeing it under a thread still inside would be a use after free
+                log.error("%s: a call is still inside the core after the transfer timeout; its memory is kept",
+                          self.session_name)
+
+    def abandon(self) -> None:
+        """The application dropped its last reference without ``close()`` (Mooncake's API has
+        none): stop the engine as ``close()`` would, from any thread, without blocking.  On the
+        engine's loop if it still runs; otherwise what can be released without one (the core,
+        which stops serving peers and fences the registered memory, the sessions, the executor)."""
+        if self.closed or self._core is None:
+            return
+        loop = self.loop
+        if loop is not None and loop.is_running() and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(_stop_in_background, self)
+                return
+            except RuntimeError:  # closed meanwhile
+                pass
+        self.closed = True
+        log.warning("%s: engine dropped without close() after its event loop ended; closing what remains",
+                    self.session_name)
+        if self._sessions is not None:
+            for session in list(self._sessions.open_sessions()):
+                session.close()
+        self.batches.cancel_all()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+        deadline = time.monotonic() + self.config.transfer_timeout
+        while self.calls_in_core and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self._free(not self.calls_in_core)
 
     # ------------------------------------------------------------------ access
 
@@ -246,6 +298,15 @@ class EngineState:
                 return
             for line in self._core.drain_log():
                 log.warning("%s: %s", self.session_name, line)
+
+
+_BACKGROUND_STOPS: set = set()  # strong references: a task nobody holds may be collected mid-way
+
+
+def _stop_in_background(state: EngineState) -> None:
+    task = asyncio.get_running_loop().create_task(state.stop())
+    _BACKGROUND_STOPS.add(task)
+    task.add_done_callback(_BACKGROUND_STOPS.discard)
 
 
 async def _resolvable_host(name_host: str) -> str:

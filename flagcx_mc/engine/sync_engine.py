@@ -13,10 +13,23 @@ import asyncio
 import functools
 import logging
 import threading
-from concurrent.futures import Future
-from typing import Any, Callable, Coroutine, List, Optional, Sequence, TypeVar
+import weakref
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import (
+    Any,
+    Callable,
+    Coroutine,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+)
 
 from .. import errors
+from .._core import as_u64_list
 from ..config import EngineConfig
 from ..names import TransferNotify, TransferOpcode
 from .async_engine import AsyncTransferEngine
@@ -50,6 +63,92 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency
         return asyncio.new_event_loop()
+
+
+class _LoopThread:
+    """The engine's private event loop in a daemon thread, and the calls waiting on it.
+
+    Stopping it fails every call still waiting (``EngineStateError``) instead of leaving it
+    blocked on a loop that will never answer."""
+
+    def __init__(self) -> None:
+        loop = self.loop = _new_loop()
+        self._lock = threading.Lock()
+        self._waiting: Set[Future] = set()
+        self._stopped = False
+        ready = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        self.thread = threading.Thread(target=main, name="flagcx-mc-loop", daemon=True)
+        self.thread.start()
+        ready.wait()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: Optional[float]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise errors.EngineStateError("TransferEngine methods cannot be called from its own loop thread")
+        with self._lock:
+            if self._stopped:
+                coro.close()
+                raise errors.EngineStateError("engine closed")
+            future: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._waiting.add(future)
+        try:
+            return future.result(timeout)
+        except CancelledError:
+            raise errors.EngineStateError("engine closed during the call") from None
+        except FutureTimeoutError:
+            if future.done():  # the call's own error (TransferTimeoutError is a TimeoutError too)
+                raise
+            future.cancel()
+            raise errors.EngineStateError(f"the engine's loop did not finish the call within {timeout} s") from None
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
+
+    def stop(self, last: Optional[Coroutine[Any, Any, Any]] = None) -> None:
+        """Run ``last`` (the engine's shutdown) on the loop, then stop it and fail what waits.
+        From the loop's own thread (a finalizer can run there) nothing can be waited for: the
+        shutdown is scheduled and the loop stops after it."""
+        loop = self.loop
+        if threading.current_thread() is self.thread:
+            with self._lock:
+                self._stopped = True
+            if last is not None:
+                task = loop.create_task(last)
+                task.add_done_callback(lambda _: loop.stop())
+            else:
+                loop.stop()
+            return
+        try:
+            if last is not None:
+                self.run(last, _CONTROL_TIMEOUT)
+        finally:
+            with self._lock:
+                self._stopped = True
+                waiting, self._waiting = list(self._waiting), set()
+            for future in waiting:
+                future.cancel()
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:  # already closed
+                return
+            self.thread.join(5)
+            if not self.thread.is_alive():
+                loop.close()
+
+
+def _shut_down(state: EngineState, holder: list) -> None:
+    """Stop an engine's state and its loop thread (``close()``, or the facade's finalizer)."""
+    loop_thread = holder[0] if holder else None
+    if loop_thread is None:
+        return
+    holder.clear()
+    loop_thread.stop(None if state.closed else state.stop())
 
 
 _CODE = object()  # "fail with the error's own negative code"
@@ -93,37 +192,38 @@ class TransferEngine:
         self._state = EngineState(EngineConfig.from_env(**config))
         self._engine = AsyncTransferEngine.over(self._state)  # the coroutines, run on the private loop
         self._config = self._state.config
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
+        self._calls_in_core = self._state.calls_in_core
+        self._loop_thread: list = []  # [_LoopThread] once started; shared with the finalizer
         self._start_lock = threading.Lock()
         self._initialized = False
         self._sessions: Optional[SessionCache] = None  # the state's, once initialized: the fast path's
+        # Code written for Mooncake never closes an engine: dropping the last reference does.
+        self._finalizer = weakref.finalize(self, _shut_down, self._state, self._loop_thread)
 
     # ------------------------------------------------------------------ private loop
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float = _CONTROL_TIMEOUT) -> T:
-        if self._loop is None:
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: Optional[float] = _CONTROL_TIMEOUT) -> T:
+        holder = self._loop_thread
+        if not holder:
             coro.close()
-            raise errors.EngineStateError("engine not initialized")
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise errors.EngineStateError("TransferEngine methods cannot be called from its own loop thread")
-        future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout)
+            raise errors.EngineStateError("engine closed" if self._state.closed else "engine not initialized")
+        return holder[0].run(coro, timeout)
 
-    def _start_loop(self) -> None:
-        loop = _new_loop()
-        ready = threading.Event()
+    def _call_timeout(self, total_bytes: int) -> float:
+        """How long a transfer's caller waits for the loop: the transfer's deadline, a refresh
+        handshake and a margin (close() fails the wait sooner)."""
+        return self._config.timeout_for(total_bytes) + 2 * self._config.handshake_timeout + 5.0
 
-        def main() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            loop.run_forever()
+    def _batches_timeout(self, batch_ids: Sequence[int]) -> float:
+        """Until the latest of these batches' deadlines, plus a margin."""
+        return self._state.batches.latest_remaining(batch_ids) + 5.0
 
-        thread = threading.Thread(target=main, name="flagcx-mc-loop", daemon=True)
-        thread.start()
-        ready.wait()
-        self._loop, self._thread = loop, thread
+    def _vector_timeout(self, sizes: Sequence[int]) -> float:
+        try:
+            total = sum(as_u64_list(sizes, "sizes"))
+        except errors.FlagcxMcError:
+            total = 0  # the call itself reports the bad argument
+        return self._call_timeout(total)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -137,9 +237,12 @@ class TransferEngine:
             if self._initialized:
                 log.error("initialize failed: engine already initialized")
                 return -1
+            if self._state.closed:
+                log.error("initialize failed: engine closed")
+                return -1
             try:
-                if self._loop is None:
-                    self._start_loop()
+                if not self._loop_thread:
+                    self._loop_thread.append(_LoopThread())
                 self._run(self._engine.initialize_ext(local_hostname, metadata_server, protocol, device_name,
                                                       metadata_type))
             except errors.FlagcxMcError as exc:
@@ -155,17 +258,8 @@ class TransferEngine:
     def close(self) -> None:
         """Shut the engine down (not in Mooncake's API; its destructor does this)."""
         with self._start_lock:
-            if self._loop is None:
-                return
-            try:
-                self._run(self._engine.close())
-            finally:
-                loop, self._loop = self._loop, None
-                loop.call_soon_threadsafe(loop.stop)
-                if self._thread is not None:
-                    self._thread.join(5)
-                loop.close()
-                self._initialized = False
+            self._initialized = False
+            self._finalizer()  # stops the state and the loop thread, once
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -296,10 +390,22 @@ class TransferEngine:
         session = self._sessions.peek(target)
         if session is None:
             return self._transfer_slowly(target, req, None, 0, "")
-        rc, why = req.run(session, self._config)
+        rc, why = self._run_in_core(req, session)
         if rc == 0:
             return 0
         return self._transfer_slowly(target, req, session, rc, why)
+
+    def _run_in_core(self, req: "TransferRequest | SingleTransfer", session: Session) -> Tuple[int, str]:
+        """``req.run`` in this thread, counted in ``calls_in_core`` so that close() frees the
+        core only once no thread is inside it."""
+        inside = self._calls_in_core
+        inside.append(None)
+        try:
+            if self._state.closed:
+                raise errors.EngineStateError("engine closed")
+            return req.run(session, self._config)
+        finally:
+            inside.pop()
 
     def _transfer_slowly(self, target: str, req: "TransferRequest | SingleTransfer", session: Optional[Session],
                          rc: int, why: str) -> int:
@@ -308,8 +414,8 @@ class TransferEngine:
         with self._state.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
             if session is None:
                 session = self._run(self._state.require_sessions().get(target))
-                rc, why = req.run(session, self._config)
-            self._run(self._state.settle(target, req, session, rc, why), timeout=None)  # the core's deadline bounds it
+                rc, why = self._run_in_core(req, session)
+            self._run(self._state.settle(target, req, session, rc, why), timeout=self._call_timeout(req.total_bytes))
             return 0
 
     # ------------------------------------------------------------------ asynchronous batches
@@ -341,7 +447,7 @@ class TransferEngine:
 
     @_on_failure(-1)
     def get_batch_transfer_status(self, batch_ids: Sequence[int], /) -> int:
-        self._run(self._engine.get_batch_transfer_status(batch_ids), timeout=None)
+        self._run(self._engine.get_batch_transfer_status(batch_ids), timeout=self._batches_timeout(batch_ids))
         return 0
 
     def transfer_check_status(self, batch_id: int, /) -> int:
@@ -382,13 +488,13 @@ class TransferEngine:
     @_code
     def write_vector_sync(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
                           sizes: Sequence[int]) -> int:
-        self._run(self._engine.write_vector_sync(conn, local_addrs, descs, sizes), timeout=None)
+        self._run(self._engine.write_vector_sync(conn, local_addrs, descs, sizes), timeout=self._vector_timeout(sizes))
         return 0
 
     @_code
     def read_vector_sync(self, conn: Session, local_addrs: Sequence[int], descs: Sequence[RemoteDesc],
                          sizes: Sequence[int]) -> int:
-        self._run(self._engine.read_vector_sync(conn, local_addrs, descs, sizes), timeout=None)
+        self._run(self._engine.read_vector_sync(conn, local_addrs, descs, sizes), timeout=self._vector_timeout(sizes))
         return 0
 
     # ------------------------------------------------------------------ segments, probes, notifies

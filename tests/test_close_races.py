@@ -1,0 +1,211 @@
+"""close() while other threads are inside the engine: every racing call returns, with a failure,
+within the transfer timeout (it used to wait 120 s, or without bound), and the process survives.
+Dropping the last reference to an engine shuts it down as close() does."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from flagcx_mc import HostBuffer, TransferEngine
+from flagcx_mc._testing.node import NodeProcess
+
+TIMEOUT = 3.0
+BIG = 32 << 20
+
+
+@pytest.fixture(scope="module")
+def frozen_target():
+    """A target that stops answering mid-test (SIGSTOP), so calls are certainly in flight at close."""
+    proc = NodeProcess(regions=[BIG, 1 << 20], config={"transfer_timeout": 30.0})
+    yield proc
+    proc.close()
+
+
+def _calls(eng: TransferEngine, buf: HostBuffer, node: NodeProcess) -> dict:
+    target = node.session
+    return {
+        "sync write": lambda: eng.transfer_sync_write(target, buf.addr, node.addr(0), BIG),
+        "sync read": lambda: eng.transfer_sync_read(target, buf.addr + BIG, node.addr(0), BIG),
+        "batch write": lambda: eng.batch_transfer_sync_write(target, [buf.addr + i * (1 << 20) for i in range(16)],
+                                                             [node.addr(0, i * (1 << 20)) for i in range(16)],
+                                                             [1 << 20] * 16),
+        "async batch": lambda: eng.get_batch_transfer_status(
+            [eng.batch_transfer_async_write(target, [buf.addr], [node.addr(0)], [BIG])]),
+        "small write": lambda: eng.transfer_sync_write(target, buf.addr, node.addr(1), 4096),
+        "vector": lambda: _vector_write(eng, target, buf, node),
+    }
+
+
+def _vector_write(eng: TransferEngine, target: str, buf: HostBuffer, node: NodeProcess) -> int:
+    conn = eng.get_conn(target)
+    if conn is None:  # get_conn failed (logged): Mooncake's None
+        return -1
+    return eng.write_vector_sync(conn, [buf.addr], [eng.make_desc(conn, node.addr(0), BIG)], [BIG])
+
+
+def test_close_while_calls_wait_on_a_frozen_peer(frozen_target):
+    node = frozen_target
+    eng = TransferEngine(transfer_timeout=TIMEOUT)
+    buf = HostBuffer(2 * BIG)
+    results: dict = {}
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        assert eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096) == 0  # session open
+        node.freeze()
+        threads = []
+        for name, call in _calls(eng, buf, node).items():
+            def run(name=name, call=call):
+                start = time.monotonic()
+                rc = call()
+                results[name] = (rc, time.monotonic() - start)
+            threads.append(threading.Thread(target=run, daemon=True))
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert not results, f"calls returned against a frozen peer: {results}"
+        start = time.monotonic()
+        eng.close()
+        for t in threads:
+            t.join(TIMEOUT + 5)
+        assert time.monotonic() - start <= TIMEOUT + 5, results
+        assert set(results) == set(_calls(eng, buf, node)), f"still blocked: {set(_calls(eng, buf, node)) - set(results)}"
+        for name, (rc, took) in results.items():
+            assert rc != 0 and rc is not None, (name, rc)
+            assert took <= TIMEOUT + 5, (name, took)
+        # After close every call fails at once.
+        assert eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096) < 0
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        eng.close()
+        buf.close()
+
+
+def test_close_while_many_threads_transfer_to_a_live_peer(frozen_target):
+    node = frozen_target
+    eng = TransferEngine(transfer_timeout=TIMEOUT)
+    buf = HostBuffer(2 * BIG)
+    stop = threading.Event()
+    outcomes: list = []
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        calls = list(_calls(eng, buf, node).values())
+
+        def hammer(call):
+            while not stop.is_set():
+                outcomes.append(call())
+
+        threads = [threading.Thread(target=hammer, args=(c,), daemon=True) for c in calls]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        start = time.monotonic()
+        eng.close()
+        stop.set()
+        for t in threads:
+            t.join(TIMEOUT + 5)
+        assert not any(t.is_alive() for t in threads)
+        assert time.monotonic() - start <= TIMEOUT + 5
+        assert 0 in outcomes  # calls succeeded before the close
+    finally:
+        stop.set()
+        eng.close()
+        buf.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settle(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_dropped_sync_engine_is_shut_down(frozen_target):
+    """Code written for Mooncake never calls close(): dropping the engine must stop its servers,
+    free its threads and fds, and fence its memory (a peer's write then fails)."""
+    node = frozen_target
+    buf = HostBuffer(1 << 20)
+    try:
+        fds, threads = _fds(), _threads()
+        eng = TransferEngine(transfer_timeout=TIMEOUT)
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        name = eng.session_name
+        assert node.call("transfer", op="write", target=name, items=[[1, 0, buf.addr, 4096]])["rc"] == 0
+        assert eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096) == 0
+        assert _fds() > fds and _threads() > threads
+        del eng
+        assert _settle(lambda: _fds() <= fds and _threads() <= threads), (_fds(), fds, _threads(), threads)
+        buf.fill(0x77, 0, 4096)
+        assert node.call("transfer", op="write", target=name, items=[[1, 0, buf.addr, 4096]])["rc"] < 0
+        assert buf.read(0, 4096) == b"\x77" * 4096  # nothing landed in memory the application may reuse
+    finally:
+        buf.close()
+
+
+async def test_dropped_async_engine_is_shut_down(frozen_target):
+    from flagcx_mc import AsyncTransferEngine
+
+    node = frozen_target
+    buf = HostBuffer(1 << 20)
+    try:
+        async with AsyncTransferEngine() as warm:  # libuv keeps a spare fd once a server has listened
+            await warm.initialize("127.0.0.1")
+        fds = _fds()
+        eng = AsyncTransferEngine(transfer_timeout=TIMEOUT)
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(buf.addr, buf.size)
+        name = eng.session_name
+        reply = await asyncio.to_thread(node.call, "transfer", op="write", target=name, items=[[1, 0, buf.addr, 4096]])
+        assert reply["rc"] == 0
+        del eng
+        for _ in range(200):  # the engine stops on this loop, in the background
+            await asyncio.sleep(0.05)
+            if _fds() <= fds:
+                break
+        assert _fds() <= fds
+        reply = await asyncio.to_thread(node.call, "transfer", op="write", target=name, items=[[1, 0, buf.addr, 4096]])
+        assert reply["rc"] < 0
+    finally:
+        buf.close()
+
+
+def test_async_engine_dropped_after_its_loop_ended(frozen_target):
+    """asyncio.run() returned with the engine still open: dropping it later still fences its memory."""
+    from flagcx_mc import AsyncTransferEngine
+
+    node = frozen_target
+    buf = HostBuffer(1 << 20)
+    holder: list = []
+
+    async def start() -> str:
+        eng = AsyncTransferEngine(transfer_timeout=TIMEOUT)
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(buf.addr, buf.size)
+        holder.append(eng)
+        return eng.session_name
+
+    try:
+        name = asyncio.run(start())
+        holder.clear()
+        buf.fill(0x66, 0, 4096)
+        assert node.call("transfer", op="write", target=name, items=[[1, 0, buf.addr, 4096]])["rc"] < 0
+        assert buf.read(0, 4096) == b"\x66" * 4096
+    finally:
+        buf.close()
