@@ -13,7 +13,10 @@ import uvloop
 # be reached with process_vm_writev and the network code would go untested.
 os.environ.setdefault("FLAGCX_MC_TRANSPORT", "tcp")
 
-pytest_plugins = ["servers", "netns"]  # tests/servers.py: redis-server and friends; tests/netns.py: hosts
+# Fixtures of tests/support/: servers.py starts redis-server and etcd, netns.py builds hosts in network
+# namespaces.  Importable as `support.*` because pytest puts tests/ on sys.path (see `pythonpath` in
+# pyproject.toml).
+pytest_plugins = ["support.servers", "support.netns"]
 
 
 def pytest_asyncio_loop_factories(config, item):

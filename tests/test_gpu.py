@@ -340,7 +340,7 @@ def test_torch_expandable_segments_register_whole_and_move_same_host():
 
     size = 64 << 20
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gpu_vmm_child.py"), str(size)],
+    child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "helpers", "gpu_vmm_child.py"), str(size)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         info = json.loads(child.stdout.readline())

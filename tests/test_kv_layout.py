@@ -355,7 +355,7 @@ def test_layout_wire_form_and_spans():
 
 def test_importing_the_toolkit_imports_neither_torch_nor_numpy():
     code = "import sys, flagcx_mc.kv; print('torch' in sys.modules, 'numpy' in sys.modules)"
-    from servers import PACKAGE_PARENT
+    from support.servers import PACKAGE_PARENT
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE_PARENT)
     assert out.stdout.split() == ["False", "False"], out.stderr

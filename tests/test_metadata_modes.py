@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
+from support.servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from servers import PACKAGE_PARENT, free_port  # noqa: E402
+from support.servers import PACKAGE_PARENT, free_port  # noqa: E402
 
 from flagcx_mc.errors import (
     EndpointError,
@@ -533,8 +533,8 @@ def test_server_command_port_in_use():
 
 # --- Redis ------------------------------------------------------------------------------------------
 
-from servers import REDIS_PASSWORD  # noqa: E402
-from servers import need_redis_package as _need_redis_package  # noqa: E402
+from support.servers import REDIS_PASSWORD  # noqa: E402
+from support.servers import need_redis_package as _need_redis_package  # noqa: E402
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 
 import pytest
-from servers import mooncake_missing
+from support.servers import mooncake_missing
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess

@@ -1,4 +1,4 @@
-"""Engines on separate "hosts" (network namespaces joined by a bridge, see tests/netns.py): transfers
+"""Engines on separate "hosts" (network namespaces joined by a bridge, see tests/support/netns.py): transfers
 across hosts, 1% packet loss, added delay, a link cut mid-transfer, and the bind-address rule.
 
 Every transfer is verified by content; a transfer that reports success with one wrong byte fails
@@ -20,7 +20,7 @@ import time
 from typing import List, Optional
 
 import pytest
-from netns import Host, enter_netns, require_tool, run_tool
+from support.netns import Host, enter_netns, require_tool, run_tool
 
 from flagcx_mc._testing.node import NodeProcess
 from flagcx_mc.control.codec import MessageType

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from layouts import round_trip_runs_and_gaps
+from support.layouts import round_trip_runs_and_gaps
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -297,7 +297,7 @@ def test_a_shared_mapping_is_never_unmapped_under_a_running_copy():
     """A peer's region leaves its table (and a refresh drops its mapping here) while same-host
     copies into that mapping are running: the mapping goes only after the last copy (before,
     this child died of SIGSEGV every time)."""
-    child = os.path.join(os.path.dirname(__file__), "same_host_unmap_child.py")
+    child = os.path.join(os.path.dirname(__file__), "helpers", "same_host_unmap_child.py")
     done = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip().endswith("ok")

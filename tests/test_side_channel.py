@@ -15,7 +15,7 @@ import orjson
 import pytest
 import zmq
 import zmq.asyncio
-from kv_peer_child import PeerProcess, block_digest
+from helpers.kv_peer_child import PeerProcess, block_digest
 
 from flagcx_mc import AsyncTransferEngine, TransferEngine
 from flagcx_mc.errors import InvalidArgumentError
@@ -425,7 +425,7 @@ def prefill_child():
 
 
 class ChildKV:
-    """Decode memory matching kv_peer_child.py's prefill layout (2 layers, K/V planes)."""
+    """Decode memory matching helpers/kv_peer_child.py's prefill layout (2 layers, K/V planes)."""
 
     def __init__(self) -> None:
         self.caches = [np.zeros((2, NB, BLOCK), dtype=np.uint8) for _ in range(2)]

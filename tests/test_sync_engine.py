@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from servers import free_port
+from support.servers import free_port
 
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc._testing.node import NodeProcess

@@ -13,7 +13,7 @@ import hashlib
 import random
 
 import pytest
-from layouts import round_trip_runs_and_gaps
+from support.layouts import round_trip_runs_and_gaps
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess

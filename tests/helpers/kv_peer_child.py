@@ -1,7 +1,7 @@
 """A prefill worker in its own process, for the side-channel tests (not a test module).
 
-    python kv_peer_child.py prefill --layers 2 --blocks 32 --block-len 4096
-    python kv_peer_child.py worker --registry tcp://... --instance prefill --dp 0 --pp 1 --tp 1
+    python tests/helpers/kv_peer_child.py prefill --layers 2 --blocks 32 --block-len 4096
+    python tests/helpers/kv_peer_child.py worker --registry tcp://... --instance prefill --dp 0 --pp 1 --tp 1
 
 The first line on stdout is JSON: ``endpoint`` (side channel), ``session`` (engine), ``pid``.
 A prefill worker then answers one JSON command per stdin line (``fill``, ``publish``,

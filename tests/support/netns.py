@@ -1,4 +1,5 @@
-"""Several hosts on one machine: network namespaces joined by a bridge (a pytest plugin: see conftest.py).
+"""Several hosts on one machine: network namespaces joined by a bridge (a pytest plugin, loaded by
+tests/conftest.py).
 
 ``make_network(n)`` builds, for one test, ``n`` namespaces ("hosts") with one interface each
 (``eth0``, address ``10.77.0.<i+1>/24``) plugged into a bridge that lives in one more namespace
@@ -9,7 +10,7 @@ fixture removes everything afterwards, also when the test failed; a process stil
 namespace at that point is killed and the teardown fails, so leaks are seen.
 
 Where namespaces cannot be created (not root, no ``ip``), the tests that use the fixture are
-skipped with the reason.  This module also registers the ``soak`` marker (tests/test_soak.py).
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -36,10 +37,6 @@ _CLONE_NEWNET = 0x40000000
 _COMMAND_TIMEOUT = 15.0
 _counter = itertools.count()
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "soak: load test with many engine processes; deselect with -m 'not soak'")
 
 
 class NetnsError(RuntimeError):
