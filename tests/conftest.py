@@ -2,16 +2,39 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.machinery
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import uvloop
+
+# `python -m pytest` puts the current directory first on sys.path; the `pytest` command does not.
+# Run from a checkout, that entry makes `import flagcx_mc` find the source tree instead of the
+# package pip installed, and a source tree has no compiled C core unless it was installed in place
+# (`pip install -e .` builds it there).  So where this checkout's flagcx_mc/ has no compiled core,
+# its directory is taken off sys.path before anything imports flagcx_mc, and both commands test
+# the installed package.  Where the core is built in place (editable install) nothing changes.
+# tests/test_pytest_entry_points.py checks both commands from a copy without the core.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _has_compiled_core(package_dir: Path) -> bool:
+    return any((package_dir / f"_fmc_cffi{suffix}").exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+
+
+if not _has_compiled_core(_CHECKOUT / "flagcx_mc"):
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _CHECKOUT]
 
 # Engines in these tests use the TCP data plane unless a test asks for the same-host path (see
 # test_same_host.py); child processes inherit it.  Without this, every peer on this machine would
 # be reached with process_vm_writev and the network code would go untested.
 os.environ.setdefault("FLAGCX_MC_TRANSPORT", "tcp")
+
+from flagcx_mc import AsyncTransferEngine, HostBuffer  # noqa: E402  (after the sys.path check)
+from flagcx_mc._testing.node import NodeProcess  # noqa: E402
 
 # Fixtures of tests/support/: servers.py starts redis-server and etcd, netns.py builds hosts in network
 # namespaces.  Importable as `support.*` because pytest puts tests/ on sys.path (see `pythonpath` in
@@ -21,9 +44,6 @@ pytest_plugins = ["support.servers", "support.netns"]
 
 def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-
-from flagcx_mc import AsyncTransferEngine, HostBuffer
-from flagcx_mc._testing.node import NodeProcess
 
 # Remote regions every shared node offers: [0] 80 MiB for big transfers, [1] 1 MiB scratch.
 NODE_REGIONS = [80 << 20, 1 << 20]
