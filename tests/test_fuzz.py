@@ -461,23 +461,29 @@ def test_fuzz_mooncake_framing_against_a_model(target, data):
     check_against_model(target, data.draw(mooncake_stream(target.regions)), mooncake_wire=True)
 
 
-def test_after_the_fuzzing_the_data_port_still_serves(target):
-    """Runs after the fuzzers (same module fixture): valid traffic works, refusals were logged."""
+def test_hostile_requests_are_refused_counted_and_logged_and_the_port_still_serves(target):
+    """Sends its own hostile requests, so it stands alone; in a whole run it also comes after the
+    fuzzers (same module fixture), whose far larger load the port must have survived too."""
     target.core.accept_mooncake_wire(True)
     r = target.regions[0]
+    before = target.core.stats()
+    target.core.drain_log()  # what earlier tests left (the log keeps the first 8 KiB)
+    # A read with a wrong key is refused (answered, the connection stays), then a bad opcode drops
+    # the connection; both are logged as well as counted.
+    hostile = HELLO + struct.pack("<II", 1, 0) + REQ.pack(2, 0, 0, r.key ^ 1, 9, r.addr, 8) + REQ.pack(7, 0, 0, 0, 10, 0, 8)
+    assert exchange(target.core.data_port, hostile) == OK_MAGIC + bytes(8) + RESP.pack(9, REFUSED, 0, 0)
+    log = target.core.drain_log()
+    assert any("refused read" in line for line in log) and any("dropped" in line for line in log), log
+    stats = target.core.stats()
+    assert stats["requests_refused"] > before["requests_refused"], (before, stats)
+    assert stats["protocol_errors"] > before["protocol_errors"], (before, stats)
+    # Valid traffic on a new connection: a write lands and reads back.
     stream = HELLO + struct.pack("<II", 1, 0)
     stream += REQ.pack(1, 0, 0, r.key, 7, r.addr + 5, 100) + b"w" * 100
     stream += REQ.pack(2, 0, 0, r.key, 8, r.addr + 5, 100)
     got = exchange(target.core.data_port, stream)
     assert got == OK_MAGIC + bytes(8) + RESP.pack(7, 0, 0, 0) + RESP.pack(8, 0, 0, 100) + b"w" * 100
-    stats = target.core.stats()
-    assert stats["requests_refused"] > 0 and stats["protocol_errors"] > 0, stats
-    # Hostile requests are logged as well as counted: a wrong key, then a bad opcode.
-    target.core.drain_log()  # what the fuzzers left (the log keeps the first 8 KiB)
-    hostile = HELLO + struct.pack("<II", 1, 0) + REQ.pack(2, 0, 0, r.key ^ 1, 9, r.addr, 8) + REQ.pack(7, 0, 0, 0, 10, 0, 8)
-    assert exchange(target.core.data_port, hostile) == OK_MAGIC + bytes(8) + RESP.pack(9, REFUSED, 0, 0)
-    log = target.core.drain_log()
-    assert any("refused read" in line for line in log) and any("dropped" in line for line in log), log
+    assert r.guards_intact()
     deadline = time.monotonic() + 5
     while target.core.stats()["server_connections"] and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -577,7 +583,10 @@ def test_fuzz_rpc_port(rpc_node, frames, cut):
             assert m.payload["name"] == rpc_node.session
 
 
-def test_rpc_port_still_answers_after_the_fuzzing(rpc_node):
+def test_rpc_port_still_answers_after_a_bad_frame(rpc_node):
+    """Sends its own bad frame, so it stands alone; in a whole run it also comes after the fuzzer."""
+    bad = (1 << 63).to_bytes(8, "little") + bytes([int(MessageType.METADATA)])  # a length far past the cap
+    assert exchange(_rpc_port(rpc_node), bad) == b""  # dropped unanswered
     reply = asyncio.run(request("127.0.0.1", _rpc_port(rpc_node), MessageType.METADATA, {}, timeout=5.0))
     assert reply["name"] == rpc_node.session and reply["buffers"][0]["length"] == 1 << 20
 

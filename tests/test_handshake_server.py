@@ -323,6 +323,9 @@ async def test_start_binds_only_the_given_host():
     async with serving() as server:
         with socket.socket() as probe:  # another address on the same port is still free
             probe.bind(("127.0.0.2", server.port))
+            assert probe.getsockname() == ("127.0.0.2", server.port)
+        with socket.socket() as probe, pytest.raises(OSError):  # the given one is taken
+            probe.bind((HOST, server.port))
 
 
 # ---- netaddr -------------------------------------------------------------------------

@@ -58,8 +58,16 @@ async def test_many_concurrent_tasks(engine, node, local_buf):
     assert node.call("digest", region=0, offset=0, length=block * tasks)["digest"] == local_buf.digest(0, block * tasks)
 
 
-async def test_empty_batch_is_a_no_op(engine, node):
-    await engine.batch_transfer_sync_write(node.session, [], [], [])
+async def test_empty_batch_is_a_no_op(engine, node, local_buf):
+    """Empty batches succeed without contacting the peer: no session is opened, no byte moves."""
+    remote_before = node.call("fill", region=1)["digest"]
+    local_before = local_buf.fill_random(0, 4096)
+    assert await engine.batch_transfer_sync_write(node.session, [], [], []) is None
+    assert await engine.batch_transfer_sync_read(node.session, [], [], []) is None
+    assert engine._sessions.peek(node.session) is None
+    assert node.call("digest", region=1)["digest"] == remote_before
+    assert local_buf.digest(0, 4096) == local_before
+    assert node.call("guards")["intact"]
 
 
 async def test_mismatched_lists_are_invalid(engine, node, local_buf):
