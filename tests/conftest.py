@@ -1,4 +1,5 @@
-"""Shared fixtures: every async test runs on both asyncio's default loop and uvloop."""
+"""Shared fixtures; every async test runs on asyncio's default loop, and those marked ``uvloop`` on
+uvloop too."""
 from __future__ import annotations
 
 import asyncio
@@ -43,7 +44,24 @@ pytest_plugins = ["support.servers", "support.netns"]
 
 
 def pytest_asyncio_loop_factories(config, item):
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    """Which event loops an async test runs on: asyncio's default loop always; uvloop as well for
+    tests marked ``uvloop`` (``pytestmark = pytest.mark.uvloop`` in a module, or on one test).
+
+    The engine's code depends on the loop only where the loop does the networking and the timing:
+    streams and servers, connection set-up and loss, cancellation and timeouts.  The tests marked
+    are the ones that drive exactly that: the handshake server and client (test_handshake_server,
+    test_auth), the control plane (test_control_plane), sessions and transfers (test_transfers),
+    timeouts and stuck handshakes (test_timeouts), the KV side channel (test_side_channel), and
+    the HTTP metadata client and server's round trip, pipelining, idle connections, timeouts and
+    refusals (five tests of test_metastore).  The other async tests (metadata modes end to end,
+    same-host copies, vectors, registration, metrics) would repeat the same loop calls on uvloop.
+    The sync facade (TransferEngine) runs its own uvloop loop in a thread, so every sync-engine
+    test (test_sync_engine, test_faults, test_multihost, ...) exercises uvloop as well.
+    """
+    if item.get_closest_marker("uvloop") is not None:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
+
 
 # Remote regions every shared node offers: [0] 80 MiB for big transfers, [1] 1 MiB scratch.
 NODE_REGIONS = [80 << 20, 1 << 20]

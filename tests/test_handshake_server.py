@@ -25,7 +25,8 @@ from flagcx_mc.errors import (
 from flagcx_mc.net.addresses import format_host_port, parse_host_port, rpc_port_range
 
 HOST = "127.0.0.1"
-pytestmark = pytest.mark.timeout(20)
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = [pytest.mark.timeout(20), pytest.mark.uvloop]
 
 
 async def echo(msg: Message) -> dict:

@@ -41,6 +41,9 @@ from flagcx_mc.kv import (
 )
 from flagcx_mc.kv.messages import ErrorReply, Ping, Pong, Result, decode, encode
 
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
+
 NB, LAYERS, BLOCK = 32, 3, 4096
 
 

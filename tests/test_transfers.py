@@ -9,6 +9,9 @@ import pytest
 
 from flagcx_mc import errors
 
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
+
 SIZES = [1, 7, 4096, 65536 + 3, 1 << 20, (4 << 20) + 1, 64 << 20]
 
 
