@@ -18,7 +18,7 @@ import uvloop
 # (`pip install -e .` builds it there).  So where this checkout's flagcx_mc/ has no compiled core,
 # its directory is taken off sys.path before anything imports flagcx_mc, and both commands test
 # the installed package.  Where the core is built in place (editable install) nothing changes.
-# tests/test_pytest_entry_points.py checks both commands from a copy without the core.
+# tests/test_pytest_entry_points.py runs `python -m pytest` in a copy without the core.
 _CHECKOUT = Path(__file__).resolve().parents[1]
 
 

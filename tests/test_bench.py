@@ -12,9 +12,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import ffi, lib
 
 from flagcx_mc import errors
+from flagcx_mc._fmc_cffi import ffi, lib
 from flagcx_mc.config import EngineConfig
 from flagcx_mc.tools.bench import limits as bl
 from flagcx_mc.tools.bench import runner as bench

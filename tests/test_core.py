@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import lib
 
 import flagcx_mc
 from flagcx_mc import HostBuffer, errors
 from flagcx_mc._core import CoreEngine, CorePeer, core_version
+from flagcx_mc._fmc_cffi import lib
 
 CDEFS = Path(__file__).resolve().parents[1] / "_cffi_build" / "core_cdefs.h"
 

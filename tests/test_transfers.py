@@ -41,7 +41,8 @@ async def test_batches_scattered(engine, node, local_buf, count, block):
         expected[s * block:(s + 1) * block] = local_buf.read(i * block, block)
     import hashlib
 
-    assert node.call("digest", region=0, offset=0, length=count * block)["digest"] == hashlib.sha256(expected).hexdigest()
+    got = node.call("digest", region=0, offset=0, length=count * block)["digest"]
+    assert got == hashlib.sha256(expected).hexdigest()
 
     # And back: read the shuffled slots into order, which must reproduce the original.
     original = local_buf.digest(0, count * block)
