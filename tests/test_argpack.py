@@ -5,11 +5,11 @@ import struct
 
 import numpy as np
 import pytest
-from flagcx_mc._argpack import pack3
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flagcx_mc import errors
+from flagcx_mc._argpack import pack3
 from flagcx_mc.engine.requests import OP_WRITE, TransferRequest
 
 u64 = st.integers(0, 2**64 - 1)
@@ -17,7 +17,7 @@ u64 = st.integers(0, 2**64 - 1)
 
 @given(st.lists(st.tuples(u64, u64, st.integers(0, 2**40)), max_size=300))
 def test_packs_local_remote_lengths_in_order(triples):
-    local, remote, lens = (list(x) for x in zip(*triples)) if triples else ([], [], [])
+    local, remote, lens = (list(x) for x in zip(*triples, strict=True)) if triples else ([], [], [])
     packed, n, total = pack3(local, remote, lens)
     assert n == len(triples) and total == sum(lens)
     slots = max(n, 1)

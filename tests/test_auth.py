@@ -17,6 +17,9 @@ from flagcx_mc.control.auth import sign_request
 from flagcx_mc.control.codec import MessageType
 from flagcx_mc.control.handshake import request
 
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
+
 SECRET = "correct horse battery staple"
 
 

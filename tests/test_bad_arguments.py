@@ -76,10 +76,11 @@ async def test_async_transfer_methods_refuse_bad_arguments(engine, node, local_b
         await _raises_typed(engine.get_conn, bad_target)
         await _raises_typed(engine.send_notify, bad_target, TransferNotify("n", "m"))
     conn = await engine.get_conn(target)
+    desc = engine.make_desc(conn, node.addr(1), 8)
     for bad in [None, "x", 5]:
-        await _raises_typed(engine.write_vector_sync, bad, [local_buf.addr], [engine.make_desc(conn, node.addr(1), 8)], [8])
+        await _raises_typed(engine.write_vector_sync, bad, [local_buf.addr], [desc], [8])
         await _raises_typed(engine.write_vector, conn, [local_buf.addr], [bad], [8])
-        await _raises_typed(engine.read_vector, conn, [bad], [engine.make_desc(conn, node.addr(1), 8)], [8])
+        await _raises_typed(engine.read_vector, conn, [bad], [desc], [8])
         with pytest.raises(errors.FlagcxMcError):
             engine.make_desc(bad, node.addr(1), 8)
     await _raises_typed(engine.batch_transfer_sync, target, [local_buf.addr], [node.addr(1)], [8], 1, "notify")

@@ -12,10 +12,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import lib as core_lib  # type: ignore[import-not-found]
-from flagcx_mc.tools.bench._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 from flagcx_mc import errors
+from flagcx_mc._fmc_cffi import lib as core_lib  # type: ignore[import-not-found]
 from flagcx_mc._units import fmt_size, parse_size
 from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
 from flagcx_mc.config import EngineConfig
@@ -23,6 +22,7 @@ from flagcx_mc.tools.bench import limits as bl
 from flagcx_mc.tools.bench import report
 from flagcx_mc.tools.bench import runner as bench
 from flagcx_mc.tools.bench import targets as tg
+from flagcx_mc.tools.bench._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,7 +64,8 @@ def _bench(tmp_path: Path, *args: str, timeout: float = 55) -> tuple:
             *args]
     try:
         # Run outside the source tree so the installed package (with its compiled core) is imported.
-        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT / "examples", env=env)
+        proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT / "examples", env=env)
     finally:
         deadline = time.monotonic() + 10
         while _processes_with_env(token) and time.monotonic() < deadline:

@@ -74,7 +74,8 @@ def test_close_while_calls_wait_on_a_frozen_peer(frozen_target):
         for t in threads:
             t.join(TIMEOUT + 5)
         assert time.monotonic() - start <= TIMEOUT + 5, results
-        assert set(results) == set(_calls(eng, buf, node)), f"still blocked: {set(_calls(eng, buf, node)) - set(results)}"
+        everything = set(_calls(eng, buf, node))
+        assert set(results) == everything, f"still blocked: {everything - set(results)}"
         for name, (rc, took) in results.items():
             assert rc != 0 and rc is not None, (name, rc)
             assert took <= TIMEOUT + 5, (name, took)

@@ -12,6 +12,9 @@ from flagcx_mc.control.codec import MessageType
 from flagcx_mc.control.handshake import request
 from flagcx_mc.metadata.descriptor import SegmentDesc
 
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
+
 
 async def test_metadata_reply_is_a_mooncake_tcp_descriptor(engine, local_buf):
     host, port = "127.0.0.1", await engine.get_rpc_port()

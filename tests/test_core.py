@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from flagcx_mc._fmc_cffi import lib  # type: ignore[import-not-found]
 
 import flagcx_mc
 from flagcx_mc import HostBuffer, errors
 from flagcx_mc._core import CoreEngine, CorePeer, core_version
+from flagcx_mc._fmc_cffi import lib  # type: ignore[import-not-found]
 
 CDEFS = Path(__file__).resolve().parents[1] / "_cffi_build" / "core_cdefs.h"
 
@@ -40,7 +40,6 @@ def test_device_buffers_check_their_arguments_and_explain_a_missing_driver():
     """GPU allocation lives in the core: shapes it cannot map are refused before any driver call,
     and without a driver every call says so (NotSupportedError through DeviceBuffer)."""
     from flagcx_mc._fmc_cffi import ffi  # type: ignore[import-not-found]
-
     from flagcx_mc.buffers import DeviceBuffer, cuda_device_count
 
     ptr = ffi.new("uint64_t *")

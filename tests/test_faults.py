@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 import pytest
 
@@ -39,10 +39,11 @@ FAILURE_CODES = {
     "small write": {ECONN, ETIMEOUT},
 }
 
-def pinned_node(rpc_port: int, regions: List[int]) -> NodeProcess:
+def pinned_node(rpc_port: int, regions: list[int]) -> NodeProcess:
     """A node whose rpc port is pinned, so that a restarted target comes back under the same
     session name ("host:port").  The data port stays random, as in life."""
-    return NodeProcess(regions=regions, config={"rpc_port_range": [rpc_port, rpc_port], "data_port_range": [15000, 17000]})
+    return NodeProcess(regions=regions,
+                       config={"rpc_port_range": [rpc_port, rpc_port], "data_port_range": [15000, 17000]})
 
 
 def free_rpc_port() -> int:
@@ -77,8 +78,8 @@ class Calls:
     """Run several transfer calls in threads at once; record each one's result and timing."""
 
     def __init__(self) -> None:
-        self.results: Dict[str, dict] = {}
-        self._threads: List[threading.Thread] = []
+        self.results: dict[str, dict] = {}
+        self._threads: list[threading.Thread] = []
 
     def start(self, name: str, fn: Callable[[], int]) -> None:
         def main() -> None:
@@ -93,7 +94,7 @@ class Calls:
         thread.start()
         self._threads.append(thread)
 
-    def join(self, timeout: float) -> Dict[str, dict]:
+    def join(self, timeout: float) -> dict[str, dict]:
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -102,7 +103,7 @@ class Calls:
         return self.results
 
 
-def async_write(eng: TransferEngine, target: str, local: List[int], remote: List[int], lens: List[int]) -> int:
+def async_write(eng: TransferEngine, target: str, local: list[int], remote: list[int], lens: list[int]) -> int:
     """Mooncake's async batch API: submit, then wait for it."""
     batch = eng.batch_transfer_async_write(target, local, remote, lens)
     if batch == 0:
@@ -122,7 +123,7 @@ def submit_and_poll(eng: TransferEngine, target: str, local: int, remote: int, l
         time.sleep(0.02)
 
 
-def blocks(base: int, count: int = NBLOCKS, size: int = BLOCK) -> List[int]:
+def blocks(base: int, count: int = NBLOCKS, size: int = BLOCK) -> list[int]:
     return [base + i * size for i in range(count)]
 
 
@@ -299,7 +300,7 @@ def test_refused_entry_fails_the_batch_and_nothing_moves_afterwards(initiator):
 def test_killed_initiator_frees_the_targets_connections_and_others_keep_going(initiator):
     eng, buf = initiator
     target = NodeProcess(regions=[BIG, BIG])
-    victims: List[NodeProcess] = []
+    victims: list[NodeProcess] = []
     try:
         baseline = server_connections(target)
         write_verified(eng, buf, target)  # a bystander with open streams
@@ -360,7 +361,7 @@ def test_unregister_under_read_and_write_traffic(initiator):
         target.call("set", region=0, byte=0x00, offset=0, length=half)
         expected = target.call("fill", region=0, offset=half, length=half)["digest"]
         buf.fill(0x77, 0, half)
-        ops: List[dict] = []
+        ops: list[dict] = []
         lock = threading.Lock()
         stop = threading.Event()
 

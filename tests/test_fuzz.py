@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import mmap
 import os
 import random
@@ -22,7 +23,6 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -100,17 +100,17 @@ class GuardedRegion:
 
 @dataclass
 class Expected:
-    chunks: List[Tuple[bytes, bool]] = field(default_factory=list)  # (bytes, must match exactly)
+    chunks: list[tuple[bytes, bool]] = field(default_factory=list)  # (bytes, must match exactly)
     consumed: int = 0          # bytes the server reads before it closes (send no more: no RST)
-    memory: Dict[int, bytearray] = field(default_factory=dict)
-    pending_reads: List[Tuple[int, int, int, int]] = field(default_factory=list)  # chunk, region, off, len
-    writes: List[Tuple[int, int, int, int]] = field(default_factory=list)        # order, region, off, len
+    memory: dict[int, bytearray] = field(default_factory=dict)
+    pending_reads: list[tuple[int, int, int, int]] = field(default_factory=list)  # chunk, region, off, len
+    writes: list[tuple[int, int, int, int]] = field(default_factory=list)        # order, region, off, len
 
     def answer(self, data: bytes, exact: bool = True) -> None:
         self.chunks.append((data, exact))
 
 
-def _find(regions: List[GuardedRegion], addr: int, length: int, key: Optional[int], write: bool):
+def _find(regions: list[GuardedRegion], addr: int, length: int, key: int | None, write: bool):
     if length == 0 or addr + length > U64 + 1:
         return None
     for i, r in enumerate(regions):
@@ -120,7 +120,7 @@ def _find(regions: List[GuardedRegion], addr: int, length: int, key: Optional[in
     return None
 
 
-def simulate(stream: bytes, regions: List[GuardedRegion], mooncake_wire: bool) -> Expected:
+def simulate(stream: bytes, regions: list[GuardedRegion], mooncake_wire: bool) -> Expected:
     exp = Expected(memory={i: bytearray(r.content()) for i, r in enumerate(regions)})
     n = len(stream)
     if n < 8:
@@ -183,7 +183,7 @@ def _land_payload(stream: bytes, pos: int, length: int, hit, exp: Expected) -> i
     return pos + got if got == length else -1
 
 
-def _simulate_vector(stream: bytes, pos: int, regions: List[GuardedRegion], exp: Expected, write: bool, count: int,
+def _simulate_vector(stream: bytes, pos: int, regions: list[GuardedRegion], exp: Expected, write: bool, count: int,
                      ident: int, addr0: int, total: int) -> int:
     """One vector request (fmc_wire.h) whose header ended at pos; the new position, or -1 where
     the server drops the connection."""
@@ -204,7 +204,7 @@ def _simulate_vector(stream: bytes, pos: int, regions: List[GuardedRegion], exp:
     statuses = b"".join(struct.pack("<i", 0 if h else REFUSED) for h in hits)
     failed = not all(hits)
     if write:
-        for (_, _, length), hit in zip(entries, hits):
+        for (_, _, length), hit in zip(entries, hits, strict=True):
             pos = _land_payload(stream, pos, length, hit, exp)
             if pos < 0:
                 return -1  # the payloads ended early: dropped unanswered
@@ -212,18 +212,18 @@ def _simulate_vector(stream: bytes, pos: int, regions: List[GuardedRegion], exp:
         if failed:
             exp.answer(statuses)
         return pos
-    data = sum(length for (_, _, length), hit in zip(entries, hits) if hit)
+    data = sum(length for (_, _, length), hit in zip(entries, hits, strict=True) if hit)
     exp.answer(RESP.pack(ident, REFUSED if failed else 0, 0, data + (4 * count if failed else 0)))
     if failed:
         exp.answer(statuses)
-    for (_, _, length), hit in zip(entries, hits):
+    for (_, _, length), hit in zip(entries, hits, strict=True):
         if hit:
             exp.pending_reads.append((len(exp.chunks), hit[0], hit[1], length))
             exp.answer(bytes(length), exact=False)
     return pos
 
 
-def _simulate_mooncake(stream: bytes, regions: List[GuardedRegion], exp: Expected) -> Expected:
+def _simulate_mooncake(stream: bytes, regions: list[GuardedRegion], exp: Expected) -> Expected:
     n, pos = len(stream), 0
     while n - pos >= MC_HDR.size:
         size, addr, opcode = MC_HDR.unpack_from(stream, pos)
@@ -274,7 +274,7 @@ def _finish(exp: Expected) -> Expected:
 
 def exchange(port: int, payload: bytes, timeout: float = 10.0) -> bytes:
     """Send everything, half-close, return all the server sent until it closed."""
-    errors: List[BaseException] = []
+    errors: list[BaseException] = []
 
     def send() -> None:
         try:
@@ -304,7 +304,7 @@ def exchange(port: int, payload: bytes, timeout: float = 10.0) -> bytes:
 @dataclass
 class Target:
     core: CoreEngine
-    regions: List[GuardedRegion]
+    regions: list[GuardedRegion]
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +319,7 @@ def target():
         r.close()
 
 
-def _addr(draw, regions: List[GuardedRegion]) -> int:
+def _addr(draw, regions: list[GuardedRegion]) -> int:
     r = draw(st.sampled_from(regions))
     return draw(st.one_of(
         st.integers(-2 * PAGE, r.size + 2 * PAGE).map(lambda off: (r.addr + off) & U64),
@@ -328,7 +328,7 @@ def _addr(draw, regions: List[GuardedRegion]) -> int:
     ))
 
 
-def _length(draw, regions: List[GuardedRegion]) -> int:
+def _length(draw, regions: list[GuardedRegion]) -> int:
     return draw(st.one_of(
         st.integers(1, 4 * PAGE),
         st.sampled_from([0, 1, PAGE, 3 * PAGE, 3 * PAGE + 1, MAX_WIRE_LEN, MAX_WIRE_LEN + 1, 1 << 63, U64]),
@@ -337,7 +337,7 @@ def _length(draw, regions: List[GuardedRegion]) -> int:
 
 
 @st.composite
-def native_request(draw, regions: List[GuardedRegion]) -> bytes:
+def native_request(draw, regions: list[GuardedRegion]) -> bytes:
     """One request: valid, hostile field by field, or a valid one with bytes flipped."""
     r = draw(st.sampled_from([regions[0], regions[0], regions[-1]]))  # mostly the writable one
     kind = draw(st.sampled_from(["valid"] * 3 + ["hostile"] * 2 + ["mutated"]))
@@ -363,7 +363,7 @@ def native_request(draw, regions: List[GuardedRegion]) -> bytes:
 
 
 @st.composite
-def native_vector(draw, regions: List[GuardedRegion]) -> bytes:
+def native_vector(draw, regions: list[GuardedRegion]) -> bytes:
     """A vector request: entries valid or hostile, the count and the total right or wrong."""
     write = draw(st.booleans())
     entries = []
@@ -393,7 +393,7 @@ def native_vector(draw, regions: List[GuardedRegion]) -> bytes:
 
 
 @st.composite
-def native_stream(draw, regions: List[GuardedRegion]) -> bytes:
+def native_stream(draw, regions: list[GuardedRegion]) -> bytes:
     preamble = bytearray(HELLO + struct.pack("<II", 1, 0))
     mode = draw(st.sampled_from(["good"] * 6 + ["version", "magic", "short"]))
     if mode == "version":
@@ -411,7 +411,7 @@ def native_stream(draw, regions: List[GuardedRegion]) -> bytes:
 
 
 @st.composite
-def mooncake_stream(draw, regions: List[GuardedRegion]) -> bytes:
+def mooncake_stream(draw, regions: list[GuardedRegion]) -> bytes:
     """Mooncake's key-less framing (served on the same port when its first 8 bytes are not ours)."""
     parts = []
     for _ in range(draw(st.integers(1, 6))):
@@ -461,23 +461,30 @@ def test_fuzz_mooncake_framing_against_a_model(target, data):
     check_against_model(target, data.draw(mooncake_stream(target.regions)), mooncake_wire=True)
 
 
-def test_after_the_fuzzing_the_data_port_still_serves(target):
-    """Runs after the fuzzers (same module fixture): valid traffic works, refusals were logged."""
+def test_hostile_requests_are_refused_counted_and_logged_and_the_port_still_serves(target):
+    """Sends its own hostile requests, so it stands alone; in a whole run it also comes after the
+    fuzzers (same module fixture), whose far larger load the port must have survived too."""
     target.core.accept_mooncake_wire(True)
     r = target.regions[0]
+    before = target.core.stats()
+    target.core.drain_log()  # what earlier tests left (the log keeps the first 8 KiB)
+    # A read with a wrong key is refused (answered, the connection stays), then a bad opcode drops
+    # the connection; both are logged as well as counted.
+    hostile = (HELLO + struct.pack("<II", 1, 0) + REQ.pack(2, 0, 0, r.key ^ 1, 9, r.addr, 8)
+               + REQ.pack(7, 0, 0, 0, 10, 0, 8))
+    assert exchange(target.core.data_port, hostile) == OK_MAGIC + bytes(8) + RESP.pack(9, REFUSED, 0, 0)
+    log = target.core.drain_log()
+    assert any("refused read" in line for line in log) and any("dropped" in line for line in log), log
+    stats = target.core.stats()
+    assert stats["requests_refused"] > before["requests_refused"], (before, stats)
+    assert stats["protocol_errors"] > before["protocol_errors"], (before, stats)
+    # Valid traffic on a new connection: a write lands and reads back.
     stream = HELLO + struct.pack("<II", 1, 0)
     stream += REQ.pack(1, 0, 0, r.key, 7, r.addr + 5, 100) + b"w" * 100
     stream += REQ.pack(2, 0, 0, r.key, 8, r.addr + 5, 100)
     got = exchange(target.core.data_port, stream)
     assert got == OK_MAGIC + bytes(8) + RESP.pack(7, 0, 0, 0) + RESP.pack(8, 0, 0, 100) + b"w" * 100
-    stats = target.core.stats()
-    assert stats["requests_refused"] > 0 and stats["protocol_errors"] > 0, stats
-    # Hostile requests are logged as well as counted: a wrong key, then a bad opcode.
-    target.core.drain_log()  # what the fuzzers left (the log keeps the first 8 KiB)
-    hostile = HELLO + struct.pack("<II", 1, 0) + REQ.pack(2, 0, 0, r.key ^ 1, 9, r.addr, 8) + REQ.pack(7, 0, 0, 0, 10, 0, 8)
-    assert exchange(target.core.data_port, hostile) == OK_MAGIC + bytes(8) + RESP.pack(9, REFUSED, 0, 0)
-    log = target.core.drain_log()
-    assert any("refused read" in line for line in log) and any("dropped" in line for line in log), log
+    assert r.guards_intact()
     deadline = time.monotonic() + 5
     while target.core.stats()["server_connections"] and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -500,7 +507,7 @@ def test_decoder_output_does_not_depend_on_how_the_stream_is_split(frames, cuts)
     stream = b"".join(encode_message(t, p) for t, p in frames)
     points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
     dec, out = FrameDecoder(), []
-    for a, b in zip(points, points[1:]):
+    for a, b in itertools.pairwise(points):
         out += dec.feed(stream[a:b])
     assert [(m.type, m.payload) for m in out] == [(MessageType(t), p) for t, p in frames]
     assert not dec.has_partial
@@ -517,7 +524,7 @@ def _rpc_port(node: NodeProcess) -> int:
     return int(node.session.rsplit(":", 1)[1])
 
 
-def _expected_reply_types(stream: bytes) -> Tuple[List[MessageType], int, bool]:
+def _expected_reply_types(stream: bytes) -> tuple[list[MessageType], int, bool]:
     """Frames the server may answer (in order), how many bytes it reads before it stops, and
     whether it stops on a bad frame."""
     dec, types = FrameDecoder(), []
@@ -577,7 +584,10 @@ def test_fuzz_rpc_port(rpc_node, frames, cut):
             assert m.payload["name"] == rpc_node.session
 
 
-def test_rpc_port_still_answers_after_the_fuzzing(rpc_node):
+def test_rpc_port_still_answers_after_a_bad_frame(rpc_node):
+    """Sends its own bad frame, so it stands alone; in a whole run it also comes after the fuzzer."""
+    bad = (1 << 63).to_bytes(8, "little") + bytes([int(MessageType.METADATA)])  # a length far past the cap
+    assert exchange(_rpc_port(rpc_node), bad) == b""  # dropped unanswered
     reply = asyncio.run(request("127.0.0.1", _rpc_port(rpc_node), MessageType.METADATA, {}, timeout=5.0))
     assert reply["name"] == rpc_node.session and reply["buffers"][0]["length"] == 1 << 20
 
@@ -596,7 +606,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -635,7 +645,7 @@ def test_half_open_connection_flood():
     target = NodeProcess(regions=[8 << 20])
     buf = HostBuffer(8 << 20)
     eng = TransferEngine(transfer_timeout=5.0, streams_per_peer=4)
-    flood: Dict[str, List[socket.socket]] = {"silent": [], "half preamble": [], "half request": [], "half frame": []}
+    flood: dict[str, list[socket.socket]] = {"silent": [], "half preamble": [], "half request": [], "half frame": []}
     try:
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert eng.register_memory(buf.addr, buf.size) == 0
@@ -700,7 +710,7 @@ def test_a_flood_beyond_the_connection_cap_does_not_shut_out_real_initiators():
     target = NodeProcess(regions=[1 << 20])  # inherits the raised limit
     buf = HostBuffer(1 << 20)
     eng = TransferEngine(transfer_timeout=5.0)
-    flood: List[socket.socket] = []
+    flood: list[socket.socket] = []
     try:
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert eng.register_memory(buf.addr, buf.size) == 0

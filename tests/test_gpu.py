@@ -66,7 +66,8 @@ def test_gpu_batches_scattered(gpu_pair):
     import hashlib
 
     expected = b"".join(gpu.read((count - 1 - j) * block, block) for j in range(count))
-    assert node.call("digest", region=1, offset=0, length=block * count)["digest"] == hashlib.sha256(expected).hexdigest()
+    got = node.call("digest", region=1, offset=0, length=block * count)["digest"]
+    assert got == hashlib.sha256(expected).hexdigest()
 
 
 @pytest.mark.parametrize("remote_region", [0, 1], ids=["to host", "to gpu"])
@@ -339,7 +340,8 @@ def test_torch_expandable_segments_register_whole_and_move_same_host():
 
     size = 64 << 20
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gpu_vmm_child.py"), str(size)],
+    script = os.path.join(os.path.dirname(__file__), "helpers", "gpu_vmm_child.py")
+    child = subprocess.Popen([sys.executable, script, str(size)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         info = json.loads(child.stdout.readline())

@@ -26,7 +26,8 @@ from flagcx_mc.errors import (
 from flagcx_mc.net.addresses import format_host_port, parse_host_port
 
 HOST = "127.0.0.1"
-pytestmark = pytest.mark.timeout(20)
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = [pytest.mark.timeout(20), pytest.mark.uvloop]
 
 
 async def echo(msg: Message) -> dict:
@@ -320,6 +321,9 @@ async def test_start_binds_only_the_given_host():
     async with serving() as server:
         with socket.socket() as probe:  # another address on the same port is still free
             probe.bind(("127.0.0.2", server.port))
+            assert probe.getsockname() == ("127.0.0.2", server.port)
+        with socket.socket() as probe, pytest.raises(OSError):  # the given one is taken
+            probe.bind((HOST, server.port))
 
 
 # ---- netaddr -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import subprocess
 import sys
 
@@ -59,7 +60,7 @@ def _assert_fewest(triplets, src_arrays, dst_arrays):
     ends = {}
     for s, d, n in triplets:
         ends[(s + n, d + n)] = (_span_of(s, src_spans), _span_of(d, dst_spans))
-    for s, d, n in triplets:
+    for s, d, _ in triplets:
         before = ends.get((s, d))
         assert before != (_span_of(s, src_spans), _span_of(d, dst_spans)), "two triplets could have merged"
 
@@ -116,7 +117,7 @@ def test_group_contiguous_reconstructs_and_is_maximal(pair):
     runs = group_contiguous(src, dst)
     assert [s + k for s, _, n in runs for k in range(n)] == src
     assert [d + k for _, d, n in runs for k in range(n)] == dst
-    for (s0, d0, n0), (s1, d1, _) in zip(runs, runs[1:]):
+    for (s0, d0, n0), (s1, d1, _) in itertools.pairwise(runs):
         assert not (s1 == s0 + n0 and d1 == d0 + n0), "two runs could have been one"
 
 
@@ -146,7 +147,7 @@ def test_same_tp_moves_exactly_the_blocks(kind, pair, layers):
     _apply(t, src_caches, dst_caches)
     _assert_fewest(t, src_caches, dst_caches)
     untouched = sorted(set(range(32)) - set(dst_ids))
-    for sc, dc, old in zip(src_caches, dst_caches, before):
+    for sc, dc, old in zip(src_caches, dst_caches, before, strict=True):
         sv, dv, ov = _blocks_view(sc, kind), _blocks_view(dc, kind), _blocks_view(old, kind)
         assert np.array_equal(dv[:, dst_ids], sv[:, src_ids])
         assert np.array_equal(dv[:, untouched], ov[:, untouched]), "bytes outside the named blocks changed"
@@ -184,7 +185,7 @@ def test_groups_and_prefix_hit():
     # come from prefill's last two.
     t = plan(src, dst, [[1, 2, 3, 4], [7]], [[10, 11], [0]])
     _apply(t, full + swa, dfull + dswa)
-    for s, d in zip(full, dfull):
+    for s, d in zip(full, dfull, strict=True):
         assert np.array_equal(d[[10, 11]], s[[3, 4]])
     assert np.array_equal(dswa[0][0], swa[0][7])
     with pytest.raises(LayoutError, match="asks for 3 blocks"):
@@ -229,13 +230,13 @@ def test_different_tp_moves_each_head_once_from_the_right_rank(tps, token_major,
             sent_heads.extend(share)
             mine, theirs = split.heads(src_tp, s_rank), split.heads(dst_tp, d_rank)
             axis = 3 if token_major else 2  # [kv, block, heads, tokens, dim] or [kv, block, tokens, heads, dim]
-            for sc, dc in zip(srcs[s_rank], dst):
+            for sc, dc in zip(srcs[s_rank], dst, strict=True):
                 got = np.take(dc[:, dst_ids], [h - theirs.start for h in share], axis=axis)
                 want = np.take(sc[:, src_ids], [h - mine.start for h in share], axis=axis)
                 assert np.array_equal(got, want)
         assert sorted(sent_heads) == list(split.heads(dst_tp, d_rank)), "each head exactly once"
         untouched = sorted(set(range(nb)) - set(dst_ids))
-        for dc, old in zip(dst, before):
+        for dc, old in zip(dst, before, strict=True):
             assert np.array_equal(dc[:, untouched], old[:, untouched])
 
 
@@ -344,7 +345,7 @@ def test_layout_wire_form_and_spans():
     layout = _layout(caches, 8, KV_INNER)
     assert KVLayout.from_list(layout.to_list()) == layout
     addrs, lens = layout.spans()
-    assert sorted(zip(addrs, lens)) == sorted((c.ctypes.data, c.nbytes) for c in caches)
+    assert sorted(zip(addrs, lens, strict=True)) == sorted((c.ctypes.data, c.nbytes) for c in caches)
     with pytest.raises(LayoutError, match="overlap"):
         KVLayout.single([Plane(4096, 64, 4), Plane(4096 + 128, 64, 4)]).spans()
     with pytest.raises(LayoutError, match="outside its span"):
@@ -355,7 +356,7 @@ def test_layout_wire_form_and_spans():
 
 def test_importing_the_toolkit_imports_neither_torch_nor_numpy():
     code = "import sys, flagcx_mc.kv; print('torch' in sys.modules, 'numpy' in sys.modules)"
-    from servers import PACKAGE_PARENT
+    from support.servers import PACKAGE_PARENT
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE_PARENT)
     assert out.stdout.split() == ["False", "False"], out.stderr

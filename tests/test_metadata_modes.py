@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
+from support.servers import REDIS_PASSWORD, free_port, mooncake_missing, need_redis_package
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -59,7 +59,8 @@ async def _exercise(url: str, local_buf) -> None:
             reply = await asyncio.to_thread(target.call, "transfer", op="read", target="127.0.0.1:7001",
                                             items=[[0, 0, local_buf.addr, 1 << 20]])
             assert reply["rc"] == 0
-            assert (await asyncio.to_thread(target.call, "digest", region=0, offset=0, length=1 << 20))["digest"] == digest
+            got = await asyncio.to_thread(target.call, "digest", region=0, offset=0, length=1 << 20)
+            assert got["digest"] == digest
         finally:
             await asyncio.to_thread(target.kill)
         # A restarted peer under the same name (new ports, new table) is found without restarting us.

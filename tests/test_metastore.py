@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from servers import PACKAGE_PARENT, free_port  # noqa: E402
+from support.servers import PACKAGE_PARENT, free_port  # noqa: E402
 
 from flagcx_mc.errors import (
     EndpointError,
@@ -188,6 +188,7 @@ async def store(server, monkeypatch):
         yield st
 
 
+@pytest.mark.uvloop  # the HTTP client and server on uvloop too (tests/conftest.py)
 async def test_http_round_trip(server, store):
     key = segment_key(DESC["name"])
     assert await store.get(key) is None
@@ -335,6 +336,7 @@ async def test_oversized_head_is_cut_off(server, store):
     assert await store.get("k") is None
 
 
+@pytest.mark.uvloop  # the HTTP client and server on uvloop too (tests/conftest.py)
 async def test_keep_alive_and_pipelining(server):
     body = b'{"p": 1}'
     requests = (
@@ -374,6 +376,7 @@ async def test_chunked_put(server, store):
     assert await store.get("c") == {"c": 1}
 
 
+@pytest.mark.uvloop  # the HTTP client and server on uvloop too (tests/conftest.py)
 async def test_close_drops_idle_connections():
     srv = MetadataServer(HOST, 0)
     port = await srv.start()
@@ -435,6 +438,7 @@ class _FakeServer:
                 writer.close()
 
 
+@pytest.mark.uvloop  # the HTTP client and server on uvloop too (tests/conftest.py)
 async def test_timeout_is_bounded():
     async with _FakeServer(None) as url:
         st = HttpMetadataStore(url, timeout=0.3)
@@ -444,6 +448,7 @@ async def test_timeout_is_bounded():
         assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.uvloop  # the HTTP client and server on uvloop too (tests/conftest.py)
 async def test_connection_refused():
     st = HttpMetadataStore(f"http://{HOST}:{free_port()}/metadata", timeout=2.0)
     with pytest.raises(PeerConnectionError):
@@ -536,8 +541,8 @@ def test_server_command_port_in_use():
 
 # --- Redis ------------------------------------------------------------------------------------------
 
-from servers import REDIS_PASSWORD  # noqa: E402
-from servers import need_redis_package as _need_redis_package  # noqa: E402
+from support.servers import REDIS_PASSWORD  # noqa: E402
+from support.servers import need_redis_package as _need_redis_package  # noqa: E402
 
 
 @pytest.fixture

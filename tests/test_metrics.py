@@ -33,7 +33,8 @@ def test_counters_histograms_and_failure_logs(node, caplog):
         registry = prometheus_client.CollectorRegistry()
         export_prometheus(eng, registry)
         text = prometheus_client.generate_latest(registry).decode()
-        assert f'flagcx_mc_bytes_written_total{{engine="{eng.session_name}",peer="{node.session}"}} 3.145728e+06' in text
+        labels = f'engine="{eng.session_name}",peer="{node.session}"'
+        assert f"flagcx_mc_bytes_written_total{{{labels}}} 3.145728e+06" in text
         assert f'flagcx_mc_transfer_seconds_count{{engine="{eng.session_name}",peer="{node.session}"}} 5.0' in text
     finally:
         eng.close()

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 
 import pytest
-from servers import mooncake_missing
+from support.servers import mooncake_missing
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -54,7 +54,8 @@ def test_we_batch_to_mooncake(ours, mooncake_node, block, count):
     buf.fill_random(0, block * count)
     assert eng.batch_transfer_sync_write(mooncake_node.session, local, remote, [block] * count) == 0
     expected = b"".join(buf.read((count - 1 - j) * block, block) for j in range(count))
-    assert mooncake_node.call("digest", region=0, offset=0, length=block * count)["digest"] == hashlib.sha256(expected).hexdigest()
+    got = mooncake_node.call("digest", region=0, offset=0, length=block * count)["digest"]
+    assert got == hashlib.sha256(expected).hexdigest()
     buf.fill(0, 0, block * count)
     assert eng.batch_transfer_sync_read(mooncake_node.session, local, remote, [block] * count) == 0
     assert hashlib.sha256(b"".join(buf.read((count - 1 - j) * block, block) for j in range(count))).hexdigest() == \

@@ -116,7 +116,7 @@ def test_managed_buffers(pair):
     assert b.transfer_sync_write(a.session_name, bbuf.addr, addrs[2], 100_000) == 0
     assert hashlib.sha256(a.read_bytes_from_buffer(addrs[2], 100_000)).hexdigest() == digest
     assert b.transfer_sync_write(a.session_name, bbuf.addr, addrs[3], 1 << 20) == 0  # the dedicated mapping
-    for addr, n in zip(addrs, (1, 8192, 100_000, 300 << 20)):
+    for addr, n in zip(addrs, (1, 8192, 100_000, 300 << 20), strict=True):
         assert a.free_managed_buffer(addr, n) == 0
     assert a.free_managed_buffer(addrs[0], 1) == -1  # double free is an error, not a crash
     assert a.allocate_managed_buffer(0) == 0 and a.allocate_managed_buffer(-5) == 0

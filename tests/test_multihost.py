@@ -1,4 +1,4 @@
-"""Engines on separate "hosts" (network namespaces joined by a bridge, see tests/netns.py): transfers
+"""Engines on separate "hosts" (network namespaces joined by a bridge, see tests/support/netns.py): transfers
 across hosts, 1% packet loss, added delay, a link cut mid-transfer, and the bind-address rule.
 
 Every transfer is verified by content; a transfer that reports success with one wrong byte fails
@@ -17,10 +17,9 @@ import signal
 import socket
 import threading
 import time
-from typing import List, Optional
 
 import pytest
-from netns import Host, enter_netns, require_tool, run_tool
+from support.netns import Host, enter_netns, require_tool, run_tool
 
 from flagcx_mc._testing.node import NodeProcess
 from flagcx_mc.control.codec import MessageType
@@ -85,18 +84,18 @@ class DelayProxy:
 
     _HIGH_WATER = 8 * MIB  # bytes a direction may hold before it stops reading
 
-    def __init__(self, host: Host, listen_addr: str, target_addr: str, ports: List[int], delay: float) -> None:
+    def __init__(self, host: Host, listen_addr: str, target_addr: str, ports: list[int], delay: float) -> None:
         self.host, self.listen_addr, self.target_addr = host, listen_addr, target_addr
         self.ports, self.delay = ports, delay
         self.connections = 0
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stop: Optional[asyncio.Event] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
         self._tasks: set = set()
         self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="delay-proxy", daemon=True)
 
-    def __enter__(self) -> "DelayProxy":
+    def __enter__(self) -> DelayProxy:
         self._thread.start()
         if not self._ready.wait(10) or self._error is not None:
             raise RuntimeError(f"proxy did not start: {self._error!r}")
@@ -366,14 +365,14 @@ def test_a_crashed_initiator_hosts_connections_are_eventually_reaped(make_networ
 # --- congestion control: none within one host, the host's own choice between hosts ------------
 
 
-def congestion_controls(ss_output: str) -> List[str]:
+def congestion_controls(ss_output: str) -> list[str]:
     """The congestion-control name of each socket in ``ss -tinH`` output (one per socket)."""
     with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
         known = set(f.read().split()) | {"reno", "cubic", "bbr"}
     return [word for word in ss_output.split() if word in known]
 
 
-def data_connection_ccs(port: int, run=run_tool, side: str = "sport") -> List[str]:
+def data_connection_ccs(port: int, run=run_tool, side: str = "sport") -> list[str]:
     """Congestion controls of the established sockets whose ``side`` (sport/dport) is ``port``."""
     return congestion_controls(run("ss", "-tinH", "state", "established", f"( {side} = :{port} )").stdout)
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from layouts import round_trip_runs_and_gaps
+from support.layouts import round_trip_runs_and_gaps
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -54,7 +54,8 @@ async def test_same_host_batches_and_refusals(sh_engine, sh_node, local_buf):
     expected = b"".join(local_buf.read((count - 1 - j) * block, block) for j in range(count))
     import hashlib
 
-    assert sh_node.call("digest", region=0, offset=0, length=block * count)["digest"] == hashlib.sha256(expected).hexdigest()
+    got = sh_node.call("digest", region=0, offset=0, length=block * count)["digest"]
+    assert got == hashlib.sha256(expected).hexdigest()
     with pytest.raises(errors.AddressNotRegisteredError):
         await sh_engine.transfer_sync_write(sh_node.session, local_buf.addr, sh_node.addr(1) - 8, 64)
     assert sh_node.call("guards")["intact"]
@@ -92,7 +93,8 @@ def test_fallback_to_tcp_when_the_kernel_refuses():
                                 argv_prefix=["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace"])
         try:
             digest = initiator.call("fill", region=0)["digest"]
-            reply = initiator.call("transfer", op="write", target=target.session, items=[[0, 0, target.addr(0), 1 << 20]])
+            items = [[0, 0, target.addr(0), 1 << 20]]
+            reply = initiator.call("transfer", op="write", target=target.session, items=items)
             assert reply["rc"] == 0
             assert target.call("digest", region=0)["digest"] == digest
         finally:
@@ -187,7 +189,7 @@ def _ragged_batch(rng, count, region_len, max_block):
     sizes = [rng.randrange(1, max_block) for _ in range(count)]
     gaps = [rng.randrange(0, 5000) for _ in range(count)]
     offsets, at = [], 0
-    for size, gap in zip(sizes, gaps):
+    for size, gap in zip(sizes, gaps, strict=True):
         offsets.append(at + gap)
         at += gap + size
     assert at <= region_len
@@ -213,7 +215,8 @@ def test_large_calls_are_copied_in_parts_and_land_exactly(sh_node, op):
         assert eng.register_memory(buf.addr, buf.size) == 0
         offs0, sizes0 = _ragged_batch(rng, 60, 40 << 20, 600 << 10)
         offs1, sizes1 = _ragged_batch(rng, 5, 1 << 20, 100 << 10)
-        tasks = [(0, o, s) for o, s in zip(offs0, sizes0)] + [(1, o, s) for o, s in zip(offs1, sizes1)]
+        tasks = ([(0, o, s) for o, s in zip(offs0, sizes0, strict=True)]
+                 + [(1, o, s) for o, s in zip(offs1, sizes1, strict=True)])
         tasks.append((0, 41 << 20, (9 << 20) + 3))  # one task bigger than a part: cut inside it
         rng.shuffle(tasks)
         local, at = [], 0
@@ -226,7 +229,7 @@ def test_large_calls_are_copied_in_parts_and_land_exactly(sh_node, op):
             sh_node.call("set", region=0, byte=0)
             assert eng.batch_transfer_sync_write(sh_node.session, [buf.addr + o for o in local], remote,
                                                  [s for _, _, s in tasks]) == 0
-            for (region, off, size), lo in zip(tasks, local):
+            for (region, off, size), lo in zip(tasks, local, strict=True):
                 got = sh_node.call("digest", region=region, offset=off, length=size)["digest"]
                 assert got == hashlib.sha256(buf.read(lo, size)).hexdigest(), (region, off, size)
         else:
@@ -235,7 +238,7 @@ def test_large_calls_are_copied_in_parts_and_land_exactly(sh_node, op):
             buf.fill(0, 0, at)
             assert eng.batch_transfer_sync_read(sh_node.session, [buf.addr + o for o in local], remote,
                                                 [s for _, _, s in tasks]) == 0
-            for (region, off, size), lo in zip(tasks, local):
+            for (region, off, size), lo in zip(tasks, local, strict=True):
                 got = sh_node.call("digest", region=region, offset=off, length=size)["digest"]
                 assert hashlib.sha256(buf.read(lo, size)).hexdigest() == got, (region, off, size)
                 assert buf.read(lo + size, 11) == bytes(11)  # the gaps between local ranges untouched
@@ -252,7 +255,8 @@ def _forked_child_copies(session, remote, conn):
     eng = TransferEngine(transfer_timeout=10.0, transport="same-host")
     buf = HostBuffer(8 << 20)
     try:
-        ok = eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0 and eng.register_memory(buf.addr, buf.size) == 0
+        ok = (eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+              and eng.register_memory(buf.addr, buf.size) == 0)
         digest = buf.fill_random(0, 8 << 20)
         ok = ok and eng.transfer_sync_write(session, buf.addr, remote, 8 << 20) == 0
         conn.send((ok, digest))
@@ -297,7 +301,7 @@ def test_a_shared_mapping_is_never_unmapped_under_a_running_copy():
     """A peer's region leaves its table (and a refresh drops its mapping here) while same-host
     copies into that mapping are running: the mapping goes only after the last copy (before,
     this child died of SIGSEGV every time)."""
-    child = os.path.join(os.path.dirname(__file__), "same_host_unmap_child.py")
+    child = os.path.join(os.path.dirname(__file__), "helpers", "same_host_unmap_child.py")
     done = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip().endswith("ok")

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import zmq
 import zmq.asyncio
-from kv_peer_child import PeerProcess, block_digest
+from helpers.kv_peer_child import PeerProcess, block_digest
 
 from flagcx_mc import AsyncTransferEngine, TransferEngine
 from flagcx_mc.errors import InvalidArgumentError
@@ -40,6 +40,9 @@ from flagcx_mc.kv import (
     register_worker,
 )
 from flagcx_mc.kv.messages import ErrorReply, Ping, Pong, Result, decode, encode
+
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
 
 NB, LAYERS, BLOCK = 32, 3, 4096
 
@@ -186,7 +189,7 @@ async def test_many_concurrent_requests(pair):
         pair.sender.publish(f"c{i}", [src])
     results = await asyncio.gather(*(pair.receiver.fetch(pair.endpoint, {rid: [dst]})
                                      for rid, (_, dst) in requests.items()))
-    assert all(r[rid].ok for r, rid in zip(results, requests))
+    assert all(r[rid].ok for r, rid in zip(results, requests, strict=True))
     for rid, (src, dst) in requests.items():
         assert pair.dst.digest(dst) == pair.src.digest(src), rid
 
@@ -252,7 +255,7 @@ async def test_different_tp_sizes_prefill_tp2_to_decode_tp1(engines):
                 s.publish("h", [[7, 8, 3]])
             out = await receiver.fetch([endpoints[r] for r, _ in sources], {"h": [[0, 1, 2]]})
             assert out["h"].ok, out["h"].reason
-            for got, r0, r1 in zip(dst.caches, ranks[0].caches, ranks[1].caches):
+            for got, r0, r1 in zip(dst.caches, ranks[0].caches, ranks[1].caches, strict=True):
                 assert np.array_equal(got[:, [0, 1, 2], 0:2], r0[:, [7, 8, 3]])
                 assert np.array_equal(got[:, [0, 1, 2], 2:4], r1[:, [7, 8, 3]])
         finally:
@@ -425,7 +428,7 @@ def prefill_child():
 
 
 class ChildKV:
-    """Decode memory matching kv_peer_child.py's prefill layout (2 layers, K/V planes)."""
+    """Decode memory matching helpers/kv_peer_child.py's prefill layout (2 layers, K/V planes)."""
 
     def __init__(self) -> None:
         self.caches = [np.zeros((2, NB, BLOCK), dtype=np.uint8) for _ in range(2)]

@@ -1,4 +1,4 @@
-"""Load and soak: 64 peer engines (16 in each of 4 processes, tests/soak_child.py) make 10,048
+"""Load and soak: 64 peer engines (16 in each of 4 processes, tests/helpers/soak_child.py) make 10,048
 verified transfers against one target engine; none may fail, and the target's open file
 descriptors and resident memory must be as flat after the last thousand as after the first.
 
@@ -23,7 +23,7 @@ SLOT = 64 << 10                         # each peer's slot on the target; blocks
 FIRST = LAST = 16                       # per peer: 16 * 64 = 1,024 transfers
 MIDDLE = 125                            # per peer: 8,000
 RSS_TOLERANCE_KIB = 4 << 10
-SOAK_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "soak_child.py")
+SOAK_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "soak_child.py")
 
 
 def read_reply(node: NodeProcess, timeout: float) -> dict:

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from servers import free_port
+from support.servers import free_port
 
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc._testing.node import NodeProcess
@@ -36,7 +36,9 @@ def sync_engine():
 
 
 def test_signatures_match_mooncake():
-    params = lambda name: list(inspect.signature(getattr(TransferEngine, name)).parameters.values())[1:]
+    def params(name):
+        return list(inspect.signature(getattr(TransferEngine, name)).parameters.values())[1:]
+
     init = params("initialize")
     assert [p.name for p in init] == ["local_hostname", "metadata_server", "protocol", "device_name"]
     assert all(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in init)
@@ -262,7 +264,8 @@ def test_stale_region_table_is_refreshed_behind_the_fast_path(tcp_engine):
         assert target.call("unregister", region=later["index"])["rc"] == 0
         assert eng.transfer_sync_read(target.session, buf.addr, later["addr"], 4096) == -3
         peer = eng.stats()["peers"][target.session]
-        assert (peer["transfers"], peer["failures"], peer["bytes_written"], peer["bytes_read"]) == (3, 1, 4096 + (1 << 20), 0)
+        counts = (peer["transfers"], peer["failures"], peer["bytes_written"], peer["bytes_read"])
+        assert counts == (3, 1, 4096 + (1 << 20), 0)
     finally:
         target.close()
 

@@ -12,6 +12,9 @@ import pytest
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc._testing.node import NodeProcess
 
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
+
 TIMEOUT = 1.0
 BIG = 64 << 20  # far more than the socket buffers hold, so a frozen target stalls the sender
 

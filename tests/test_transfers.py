@@ -9,6 +9,9 @@ import pytest
 
 from flagcx_mc import errors
 
+# Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
+pytestmark = pytest.mark.uvloop
+
 SIZES = [1, 7, 4096, 65536 + 3, 1 << 20, (4 << 20) + 1, 64 << 20]
 
 
@@ -38,7 +41,8 @@ async def test_batches_scattered(engine, node, local_buf, count, block):
         expected[s * block:(s + 1) * block] = local_buf.read(i * block, block)
     import hashlib
 
-    assert node.call("digest", region=0, offset=0, length=count * block)["digest"] == hashlib.sha256(expected).hexdigest()
+    got = node.call("digest", region=0, offset=0, length=count * block)["digest"]
+    assert got == hashlib.sha256(expected).hexdigest()
 
     # And back: read the shuffled slots into order, which must reproduce the original.
     original = local_buf.digest(0, count * block)
@@ -58,8 +62,16 @@ async def test_many_concurrent_tasks(engine, node, local_buf):
     assert node.call("digest", region=0, offset=0, length=block * tasks)["digest"] == local_buf.digest(0, block * tasks)
 
 
-async def test_empty_batch_is_a_no_op(engine, node):
-    await engine.batch_transfer_sync_write(node.session, [], [], [])
+async def test_empty_batch_is_a_no_op(engine, node, local_buf):
+    """Empty batches succeed without contacting the peer: no session is opened, no byte moves."""
+    remote_before = node.call("fill", region=1)["digest"]
+    local_before = local_buf.fill_random(0, 4096)
+    assert await engine.batch_transfer_sync_write(node.session, [], [], []) is None
+    assert await engine.batch_transfer_sync_read(node.session, [], [], []) is None
+    assert engine._state.require_sessions().peek(node.session) is None
+    assert node.call("digest", region=1)["digest"] == remote_before
+    assert local_buf.digest(0, 4096) == local_before
+    assert node.call("guards")["intact"]
 
 
 async def test_mismatched_lists_are_invalid(engine, node, local_buf):

@@ -13,7 +13,7 @@ import hashlib
 import random
 
 import pytest
-from layouts import round_trip_runs_and_gaps
+from support.layouts import round_trip_runs_and_gaps
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -61,7 +61,7 @@ async def test_mixed_small_blocks_land_exactly_on_either_path(initiator, node, l
     local_buf.fill_random(0, total)
     await engine.batch_transfer_sync_write(node.session, local, remote, lens)
     expected = bytearray(total)
-    for length, lo, ro in zip(lens, offsets, remote_offsets):
+    for length, lo, ro in zip(lens, offsets, remote_offsets, strict=True):
         expected[ro:ro + length] = local_buf.read(lo, length)
     assert node.call("digest", region=0, offset=0, length=total)["digest"] == hashlib.sha256(expected).hexdigest()
 

@@ -75,8 +75,10 @@ def test_a_target_killed_mid_write_fails_the_call_without_sigpipe():
                 assert initiator.call("transfer", op="write", target=victim.session, items=small)["rc"] == 0
                 items = [[0, i * 4 * MIB, victim.addr(0, i * 4 * MIB), 4 * MIB] for i in range(16)] * 8
                 result = {}
-                caller = threading.Thread(target=lambda: result.update(
-                    initiator.call("transfer", timeout=60, op="write", target=victim.session, items=items)))
+                def call(result=result, session=victim.session, items=items):
+                    result.update(initiator.call("transfer", timeout=60, op="write", target=session, items=items))
+
+                caller = threading.Thread(target=call)
                 caller.start()
                 time.sleep(0.02 + 0.02 * attempt)
                 os.kill(victim.pid, signal.SIGKILL)

@@ -18,7 +18,6 @@ import socket
 import struct
 import threading
 import time
-from typing import Tuple
 
 import pytest
 
@@ -52,7 +51,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def _connect(core: CoreEngine, flags: int) -> Tuple[socket.socket, int]:
+def _connect(core: CoreEngine, flags: int) -> tuple[socket.socket, int]:
     """A data connection with our preamble; returns it and the target's capability bits."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)  # room for unread answers
@@ -219,9 +218,9 @@ def test_a_read_cut_by_a_dying_target_never_reports_success_with_wrong_bytes():
                 buf.fill(0)
                 assert eng.transfer_sync_read(target.session, buf.addr, target.addr(0), 4 * KIB) == 0
                 result = {}
-                reader = threading.Thread(target=lambda: result.update(rc=eng.batch_transfer_sync_read(
-                    target.session, [buf.addr + o for o in offs], [target.addr(0, o) for o in offs],
-                    [block] * len(offs))))
+                reader = threading.Thread(target=lambda result=result, target=target: result.update(
+                    rc=eng.batch_transfer_sync_read(target.session, [buf.addr + o for o in offs],
+                                                    [target.addr(0, o) for o in offs], [block] * len(offs))))
                 reader.start()
                 time.sleep(0.002 * attempt)
                 target.kill()

@@ -129,6 +129,10 @@ class HandshakeServer:
         """Stop listening, drop every live connection and wait for their tasks."""
         await self._listener.close()
 
+    def close_without_loop(self) -> None:
+        """Release the listening socket after the serving loop has ended."""
+        self._listener.close_without_loop()
+
     async def __aenter__(self) -> Self:
         return self
 

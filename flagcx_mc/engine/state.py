@@ -188,6 +188,8 @@ class EngineState:
         self.closed = True
         log.warning("%s: engine dropped without close() after its event loop ended; closing what remains",
                     self.session_name)
+        if self._server is not None:
+            self._server.close_without_loop()
         if self._sessions is not None:
             for session in list(self._sessions.open_sessions()):
                 session.close()

@@ -89,6 +89,7 @@ class BoundedServer:
         self._max_connections = max_connections
         self._stream_limit = stream_limit
         self._server: asyncio.AbstractServer | None = None
+        self._sock: socket.socket | None = None
         self._port: int | None = None
         self._conns: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -153,7 +154,17 @@ class BoundedServer:
             sock.close()
             raise
         self._port = sock.getsockname()[1]
+        self._sock = sock
         return self._port
+
+    def close_without_loop(self) -> None:
+        """Release the listening socket when the loop that served it has ended (``close`` needs
+        that loop).  Connections the dead loop held are beyond reach here."""
+        self._closed = True
+        self._server = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     async def close(self) -> None:
         """Stop listening, cancel every connection task and wait for them. Idempotent."""

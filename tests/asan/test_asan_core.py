@@ -1,7 +1,7 @@
 """The AddressSanitizer + LeakSanitizer run of the C core (tests/asan/run_asan.sh) as a test.
 
-Runs in CI (``CI=true``) or with ``FLAGCX_MC_RUN_ASAN=1``, skipped otherwise: it rebuilds the core with the sanitizer in a temporary
-directory and runs tests/test_core.py and tests/test_transfers.py against that build (about
+Runs in CI (``CI=true``) or with ``FLAGCX_MC_RUN_ASAN=1``, skipped otherwise: it rebuilds the core with
+the sanitizer in a temporary directory and runs tests/test_core.py and tests/test_transfers.py against that build (about
 15-60 s).  The same check by hand: ``tests/asan/run_asan.sh`` from the repository root.
 """
 

@@ -1,4 +1,4 @@
-"""Real servers the tests start on 127.0.0.1 (a pytest plugin: see conftest.py)."""
+"""Real servers the tests start on 127.0.0.1 (a pytest plugin, loaded by tests/conftest.py)."""
 
 from __future__ import annotations
 

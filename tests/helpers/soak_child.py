@@ -15,7 +15,6 @@ import json
 import os
 import random
 import sys
-from typing import List, Optional
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer
 
@@ -55,16 +54,16 @@ class Soak:
         self.loop = asyncio.new_event_loop()
         self.host = "127.0.0.1"
         self.config: dict = {}
-        self.peers: List[Peer] = []
+        self.peers: list[Peer] = []
 
-    def init(self, host: str = "127.0.0.1", config: Optional[dict] = None, **_ignored) -> dict:
+    def init(self, host: str = "127.0.0.1", config: dict | None = None, **_ignored) -> dict:
         self.host, self.config = host, dict(config or {})
         return {"session": "", "pid": os.getpid(), "regions": []}
 
-    def start(self, target: str, slots: List[List[int]]) -> dict:
+    def start(self, target: str, slots: list[list[int]]) -> dict:
         return self.loop.run_until_complete(self._start(target, slots))
 
-    async def _start(self, target: str, slots: List[List[int]]) -> dict:
+    async def _start(self, target: str, slots: list[list[int]]) -> dict:
         for remote, size in slots:
             engine = AsyncTransferEngine(**self.config)
             await engine.initialize(self.host)
@@ -79,7 +78,7 @@ class Soak:
                 "errors": [e for r in results for e in r["errors"]][:10],
                 "error_count": sum(len(r["errors"]) for r in results)}
 
-    async def _run(self, count: int) -> List[dict]:
+    async def _run(self, count: int) -> list[dict]:
         return await asyncio.gather(*(p.run(count) for p in self.peers))
 
     def exit(self) -> dict:

@@ -1,7 +1,7 @@
 """A prefill worker in its own process, for the side-channel tests (not a test module).
 
-    python kv_peer_child.py prefill --layers 2 --blocks 32 --block-len 4096
-    python kv_peer_child.py worker --registry tcp://... --instance prefill --dp 0 --pp 1 --tp 1
+    python tests/helpers/kv_peer_child.py prefill --layers 2 --blocks 32 --block-len 4096
+    python tests/helpers/kv_peer_child.py worker --registry tcp://... --instance prefill --dp 0 --pp 1 --tp 1
 
 The first line on stdout is JSON: ``endpoint`` (side channel), ``session`` (engine), ``pid``.
 A prefill worker then answers one JSON command per stdin line (``fill``, ``publish``,
@@ -20,12 +20,12 @@ import select
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
 
-def block_digest(buffers, block_len: int, blocks: List[int]) -> str:
+def block_digest(buffers, block_len: int, blocks: list[int]) -> str:
     """sha256 of the named blocks of both planes (K then V) of every layer, in order."""
     h = hashlib.sha256()
     for buf in buffers:
@@ -50,7 +50,7 @@ async def _stdin_lines():
 _out = sys.stdout  # main() points sys.stdout at stderr, so only protocol lines reach this
 
 
-def _say(obj: Dict[str, Any]) -> None:
+def _say(obj: dict[str, Any]) -> None:
     _out.write(json.dumps(obj) + "\n")
     _out.flush()
 
@@ -61,7 +61,7 @@ async def prefill(args) -> None:
 
     buffers = [HostBuffer(2 * args.blocks * args.block_len) for _ in range(args.layers)]
     layout = KVLayout.single([p for b in buffers for p in planes_of(b, args.blocks, KV_FIRST)])
-    finished: Dict[str, bool] = {}
+    finished: dict[str, bool] = {}
     async with AsyncTransferEngine(transfer_timeout=10.0) as engine:
         await engine.initialize("127.0.0.1")
         await engine.batch_register_memory(*layout.spans())
@@ -143,7 +143,7 @@ class PeerProcess:
         self.session: str = info["session"]
         self.pid: int = info["pid"]
 
-    def _read(self, timeout: float) -> Dict[str, Any]:
+    def _read(self, timeout: float) -> dict[str, Any]:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
             raise TimeoutError(f"child did not answer within {timeout} s")
@@ -152,7 +152,7 @@ class PeerProcess:
             raise RuntimeError(f"child exited with {self.proc.wait(5)}")
         return json.loads(line)
 
-    def call(self, cmd: str, timeout: float = 30.0, **kwargs: Any) -> Dict[str, Any]:
+    def call(self, cmd: str, timeout: float = 30.0, **kwargs: Any) -> dict[str, Any]:
         self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
         self.proc.stdin.flush()
         return self._read(timeout)

@@ -1,4 +1,5 @@
-"""Several hosts on one machine: network namespaces joined by a bridge (a pytest plugin: see conftest.py).
+"""Several hosts on one machine: network namespaces joined by a bridge (a pytest plugin, loaded by
+tests/conftest.py).
 
 ``make_network(n)`` builds, for one test, ``n`` namespaces ("hosts") with one interface each
 (``eth0``, address ``10.77.0.<i+1>/24``) plugged into a bridge that lives in one more namespace
@@ -9,7 +10,7 @@ fixture removes everything afterwards, also when the test failed; a process stil
 namespace at that point is killed and the teardown fails, so leaks are seen.
 
 Where namespaces cannot be created (not root, no ``ip``), the tests that use the fixture are
-skipped with the reason.  This module also registers the ``soak`` marker (tests/test_soak.py).
+skipped with the reason.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import signal
 import socket
 import subprocess
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -38,15 +40,11 @@ _counter = itertools.count()
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "soak: load test with many engine processes; deselect with -m 'not soak'")
-
-
 class NetnsError(RuntimeError):
     """A namespace command failed."""
 
 
-def _run(argv: List[str], *, check: bool = True, input: Optional[str] = None,
+def _run(argv: list[str], *, check: bool = True, input: str | None = None,
          timeout: float = _COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
     # System tools run without a preloaded sanitizer runtime (tests/asan/run_asan.sh sets one for
     # the engines): its leak report at their exit would turn their status into a failure.
@@ -63,7 +61,7 @@ def run_tool(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return _run(list(argv), check=check)
 
 
-def _ip(*args: str, ns: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess:
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     return _run(["ip"] + (["-n", ns] if ns else []) + list(args), check=check)
 
 
@@ -84,7 +82,7 @@ def enter_netns(ns: str) -> None:
 
 def in_netns(ns: str, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
     """Run ``fn(*args)`` in a fresh thread that joined namespace ``ns``; return its result."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
 
     def main() -> None:
         try:
@@ -109,7 +107,7 @@ def _connect_status(addr: str, port: int, timeout: float) -> str:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect((addr, port))
-    except socket.timeout:
+    except TimeoutError:
         return "timeout"
     except OSError as exc:
         return "refused" if exc.errno == errno.ECONNREFUSED else errno.errorcode.get(exc.errno, str(exc))
@@ -119,7 +117,7 @@ def _connect_status(addr: str, port: int, timeout: float) -> str:
 class Host:
     """One namespace acting as a machine on the test network."""
 
-    def __init__(self, net: "Network", index: int) -> None:
+    def __init__(self, net: Network, index: int) -> None:
         self.net = net
         self.index = index
         self.ns = f"{net.tag}-h{index}"
@@ -131,17 +129,17 @@ class Host:
         return f"Host({self.ns}, {self.addr})"
 
     @property
-    def prefix(self) -> List[str]:
+    def prefix(self) -> list[str]:
         """argv prefix that runs a command inside this host (``NodeProcess(argv_prefix=...)``)."""
         return ["ip", "netns", "exec", self.ns]
 
-    def node(self, regions: List[int] = (), config: Optional[dict] = None, host: Optional[str] = None,
+    def node(self, regions: list[int] = (), config: dict | None = None, host: str | None = None,
              **kwargs: Any) -> NodeProcess:
         """An engine process on this host, bound to its address (or ``host``)."""
         return NodeProcess(host=host or self.addr, regions=list(regions), config=config,
                            argv_prefix=self.prefix, **kwargs)
 
-    def run(self, *argv: str, check: bool = True, input: Optional[str] = None) -> subprocess.CompletedProcess:
+    def run(self, *argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
         return _run(self.prefix + list(argv), check=check, input=input)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
@@ -152,7 +150,7 @@ class Host:
         """From this host: "open", "refused", "timeout" or an errno name."""
         return self.call(_connect_status, addr, port, timeout)
 
-    def add_address(self, cidr: str, dev: Optional[str] = None) -> None:
+    def add_address(self, cidr: str, dev: str | None = None) -> None:
         _ip("addr", "add", cidr, "dev", dev or self.ifname, ns=self.ns)
 
     def set_link(self, up: bool) -> None:
@@ -163,7 +161,7 @@ class Host:
         """Apply an nftables script inside this host; returns nft's output."""
         return _run(self.prefix + ["nft", "-f", "-"], input=script).stdout
 
-    def listening(self) -> List[tuple]:
+    def listening(self) -> list[tuple]:
         """(local address, port, pid) of every listening TCP socket in this host."""
         out = self.run("ss", "-Hltnp").stdout
         found = []
@@ -184,8 +182,8 @@ class Network:
     def __init__(self, hosts: int) -> None:
         self.tag = f"fmc{os.getpid()}{secrets.token_hex(2)}{next(_counter)}"
         self.switch = f"{self.tag}-sw"
-        self.hosts: List[Host] = []
-        self._namespaces: List[str] = []
+        self.hosts: list[Host] = []
+        self._namespaces: list[str] = []
         try:
             self._add_namespace(self.switch)
             _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
@@ -211,7 +209,7 @@ class Network:
     def __getitem__(self, index: int) -> Host:
         return self.hosts[index]
 
-    def crash(self, host: Host, nodes: List[NodeProcess] = ()) -> None:
+    def crash(self, host: Host, nodes: list[NodeProcess] = ()) -> None:
         """The host's machine dies: its cable is cut, its processes (``nodes``) are killed, then its
         namespace goes with every socket it had, so no FIN or RST ever reaches anyone."""
         host.set_link(False)
@@ -220,10 +218,10 @@ class Network:
         _ip("netns", "del", host.ns)
         self._namespaces.remove(host.ns)
 
-    def close(self) -> List[int]:
+    def close(self) -> list[int]:
         """Delete every namespace (with its links and nftables tables); returns the pids that
         were still running inside and had to be killed."""
-        killed: List[int] = []
+        killed: list[int] = []
         for name in self._namespaces:
             pids = _run(["ip", "netns", "pids", name], check=False).stdout.split()
             for pid in map(int, pids):
@@ -238,7 +236,7 @@ class Network:
         return killed
 
 
-def _netns_unavailable() -> Optional[str]:
+def _netns_unavailable() -> str | None:
     if shutil.which("ip") is None:
         return "the ip command (iproute2) is not installed"
     probe = f"fmcprobe{os.getpid()}{secrets.token_hex(2)}"
@@ -254,7 +252,7 @@ def _netns_unavailable() -> Optional[str]:
     return None
 
 
-_availability: Dict[str, Optional[str]] = {}
+_availability: dict[str, str | None] = {}
 
 
 def require_netns() -> None:
@@ -274,7 +272,7 @@ def require_tool(name: str, package: str) -> None:
 def make_network():
     """Factory: ``make_network(n)`` gives a Network of n hosts, removed after the test."""
     require_netns()
-    networks: List[Network] = []
+    networks: list[Network] = []
 
     def make(hosts: int) -> Network:
         net = Network(hosts)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import List
 
 
-def runs_and_gaps(n: int, block: int, rng: random.Random) -> List[int]:
+def runs_and_gaps(n: int, block: int, rng: random.Random) -> list[int]:
     """Offsets of n blocks laid out in runs of back-to-back blocks, the runs apart by gaps, and
     some runs stored backwards (block i+1 just before block i: touching, but not in order)."""
     offsets, pos, i = [0] * n, 0, 0
@@ -48,7 +47,7 @@ async def round_trip_runs_and_gaps(engine, node, local_buf, seed: int, block: in
     remote = [node.addr(0, o) for o in remote_off]
     await engine.batch_transfer_sync_write(node.session, local, remote, [block] * n)
     expected = bytearray(remote_span)
-    for lo, ro in zip(local_off, remote_off):
+    for lo, ro in zip(local_off, remote_off, strict=True):
         expected[ro:ro + block] = local_buf.read(lo, block)
     got = node.call("digest", region=0, offset=0, length=remote_span)["digest"]
     assert got == hashlib.sha256(expected).hexdigest()

@@ -16,17 +16,18 @@ assert user.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
 buf = HostBuffer(SIZE)
 assert user.register_memory(buf.addr, SIZE) == 0
 name, sessions = owner.session_name, user._state.require_sessions()
-for cycle in range(3):
+for _cycle in range(3):
     target = owner.allocate_managed_buffer(SIZE + 4096)
     assert user.transfer_sync_write(name, buf.addr, target, 4096) == 0
     assert sessions.peek(name).peer.shared_regions >= 1
     stop = threading.Event()
 
-    def writer():
+    # Each cycle's threads are joined before the next cycle: the default arguments only say so.
+    def writer(stop=stop, target=target):
         while not stop.is_set():
             user.transfer_sync_write(name, buf.addr, target, SIZE)  # fails once unregistered
 
-    def refresher():
+    def refresher(stop=stop):
         while not stop.is_set():
             session = sessions.peek(name)
             if session is not None:
@@ -39,7 +40,11 @@ for cycle in range(3):
     # The pool refuses unregister_memory; the core's unregister runs off the owner's loop, as
     # unregister_memory does for other memory, so the loop keeps answering refreshes meanwhile.
     gone = threading.Event()
-    threading.Thread(target=lambda: (owner._state.require_core().unregister(target), gone.set())).start()
+    def unregister(target=target, gone=gone):
+        owner._state.require_core().unregister(target)
+        gone.set()
+
+    threading.Thread(target=unregister).start()
     assert gone.wait(30)
     time.sleep(0.2)
     stop.set()
