@@ -80,6 +80,7 @@ int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
 
 int fmc_register(fmc_engine *engine, uint64_t addr, uint64_t len, uint32_t *key_out);
 int fmc_unregister(fmc_engine *engine, uint64_t addr);
+/* The registered regions in registration order (the region count; fills up to cap). */
 int fmc_region_table(fmc_engine *engine, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap);
 int fmc_region_slots(fmc_engine *engine, int32_t *slots, uint32_t *gens, int cap);
 int fmc_engine_same_host_fd(fmc_engine *engine);

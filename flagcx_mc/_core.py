@@ -105,7 +105,7 @@ class CoreEngine:
         _raise_for(lib.fmc_unregister(self._ptr, addr))
 
     def region_table(self) -> List[Tuple[int, int, int]]:
-        """The registered regions as (addr, length, key), sorted by address."""
+        """The registered regions as (addr, length, key), in registration order."""
         cap = 64
         while True:
             addrs = ffi.new("uint64_t[]", cap)

@@ -168,6 +168,7 @@ typedef struct {
 /* --------------------------------------------------------- registry (common/fmc_registry.c) */
 typedef struct fmc_region {
     uint64_t addr, len;
+    uint64_t seq; /* registration number: the region table lists regions in this order */
     uint32_t key;
     int refs;     /* remote operations currently touching the region */
     int removed;  /* unregistered: no new pins (set under the lock, read atomically) */
@@ -186,8 +187,10 @@ typedef struct fmc_vmm_export {
 } fmc_vmm_export;
 
 typedef struct {
-    fmc_region **items; /* sorted by addr, non-overlapping */
+    fmc_region **items; /* sorted by addr, non-overlapping: lookups */
+    fmc_region **order; /* the same regions by seq, oldest first: what descriptors list */
     int count, cap;
+    uint64_t next_seq;
 } fmc_registry;
 
 /* 1 if [base, base+size) wholly holds [addr, addr+len) (len > 0, no wrap-around: checked by

@@ -33,7 +33,7 @@ class _Node(EngineServer):
     """Command handlers of the child process."""
 
     COMMANDS = EngineServer.COMMANDS | {"init", "add_region", "region_info", "unregister", "register", "count_byte",
-                                        "transfer", "stats"}
+                                        "transfer", "stats", "first_buffer_address"}
 
     def init(self, host: str = "127.0.0.1", regions: Sequence[int] = (), config: dict | None = None,
              engine: str = "flagcx_mc", metadata_server: str = "P2PHANDSHAKE") -> dict:
@@ -80,6 +80,10 @@ class _Node(EngineServer):
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def first_buffer_address(self, segment: str) -> dict:
+        """What this engine's ``get_first_buffer_address`` says of another segment."""
+        return {"addr": self.engine.get_first_buffer_address(segment)}
 
 
 def _serve() -> None:

@@ -348,8 +348,8 @@ int fmc_region_slots(fmc_engine *e, int32_t *slots, uint32_t *gens, int cap)
     pthread_mutex_lock(&e->mu);
     int n = e->reg.count;
     for (int i = 0; i < n && i < cap; i++) {
-        slots[i] = e->reg.items[i]->sh_slot;
-        gens[i] = e->reg.items[i]->sh_gen;
+        slots[i] = e->reg.order[i]->sh_slot;
+        gens[i] = e->reg.order[i]->sh_gen;
     }
     pthread_mutex_unlock(&e->mu);
     return n;
@@ -359,10 +359,10 @@ int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *k
 {
     pthread_mutex_lock(&e->mu);
     int n = e->reg.count;
-    for (int i = 0; i < n && i < cap; i++) {
-        addrs[i] = e->reg.items[i]->addr;
-        lens[i] = e->reg.items[i]->len;
-        keys[i] = e->reg.items[i]->key;
+    for (int i = 0; i < n && i < cap; i++) { /* registration order (fmc_registry.c) */
+        addrs[i] = e->reg.order[i]->addr;
+        lens[i] = e->reg.order[i]->len;
+        keys[i] = e->reg.order[i]->key;
     }
     pthread_mutex_unlock(&e->mu);
     return n;
