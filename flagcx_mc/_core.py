@@ -73,7 +73,8 @@ class CoreEngine:
         opts = ffi.new("fmc_options *")
         lib.fmc_options_default(opts)
         opts.local_cc = config.local_cc.encode()
-        opts.prefault = int(bool(config.prefault))
+        opts.prefault = {"off": lib.FMC_PREFAULT_OFF, "touched": lib.FMC_PREFAULT_TOUCHED,
+                         "all": lib.FMC_PREFAULT_ALL}[config.prefault]
         opts.vectors = int(bool(config.vectors))
         opts.spin_us = int(config.spin_us)
         opts.copy_threads = int(config.copy_threads)

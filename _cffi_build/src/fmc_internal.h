@@ -259,9 +259,10 @@ struct fmc_engine {
     struct fmc_collapser *collapser; /* huge-page collapsing thread (fmc_hugepages.c), guarded by mu */
 };
 
-/* Registered host memory in huge pages (common/fmc_hugepages.c): prepare = ask and fault in, now;
- * collapse_later = turn pages already touched into huge pages, in the background; stop = end the
- * engine's background thread (engine destroy). */
+/* Registered host memory in huge pages (common/fmc_hugepages.c), by the engine's prefault mode:
+ * prepare = ask for huge pages on future faults (and, FMC_PREFAULT_ALL, fault the region in now);
+ * collapse_later = turn wholly resident 2 MiB chunks into huge pages, in the background; stop =
+ * end the engine's background thread (engine destroy). */
 void fmc_hugepages_prepare(const fmc_engine *e, uint64_t addr, uint64_t len);
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key);
 void fmc_hugepages_stop(fmc_engine *e);

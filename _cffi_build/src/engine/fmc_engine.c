@@ -23,7 +23,7 @@ void fmc_options_default(fmc_options *o)
 {
     memset(o, 0, sizeof *o);
     strcpy(o->local_cc, "reno");
-    o->prefault = 1;
+    o->prefault = FMC_PREFAULT_TOUCHED;
     o->vectors = 1;
     o->spin_us = 30;
     o->copy_threads = 0;
@@ -195,7 +195,7 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         return FMC_ERR_NOT_IMPLEMENTED;
     int host = dev < 0 && writable;
     if (host)
-        fmc_hugepages_prepare(e, addr, len); /* huge pages, faulted in: first-touch writes are slow */
+        fmc_hugepages_prepare(e, addr, len); /* huge pages for future faults; commits nothing by default */
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     if (rc == FMC_OK) {
