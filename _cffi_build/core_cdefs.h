@@ -20,6 +20,10 @@ enum {
 enum { FMC_OP_READ = 0, FMC_OP_WRITE = 1 };
 enum { FMC_PROTO_NATIVE = 0, FMC_PROTO_MOONCAKE = 2 };
 enum { FMC_TASK_PENDING = 1 };
+/* Registration of host memory: nothing; huge pages asked for future faults and pages touched
+ * before registration collapsed into huge pages (commits nothing: the default); that and the
+ * whole region faulted in now (commits it). */
+enum { FMC_PREFAULT_OFF = 0, FMC_PREFAULT_TOUCHED = 1, FMC_PREFAULT_ALL = 2 };
 
 typedef struct fmc_engine fmc_engine;
 typedef struct fmc_peer fmc_peer;
@@ -61,7 +65,7 @@ int fmc_cuda_usable(void);
  * the core's defaults, which a NULL options pointer also means. */
 typedef struct {
     char local_cc[16];   /* congestion control of connections within this host; "" keeps the host's */
-    int prefault;        /* registration faults host memory in, asking for huge pages */
+    int prefault;        /* FMC_PREFAULT_*: what registration does to host memory's pages */
     int vectors;         /* offer vector requests to the targets this engine connects to */
     int spin_us;         /* poll up to this long before sleeping, after small transfers (0..10000) */
     int copy_threads;    /* threads that copy one large same-host call (0: online cores; at most 4) */
@@ -80,6 +84,7 @@ int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
 
 int fmc_register(fmc_engine *engine, uint64_t addr, uint64_t len, uint32_t *key_out);
 int fmc_unregister(fmc_engine *engine, uint64_t addr);
+/* The registered regions in registration order (the region count; fills up to cap). */
 int fmc_region_table(fmc_engine *engine, uint64_t *addrs, uint64_t *lens, uint32_t *keys, int cap);
 int fmc_region_slots(fmc_engine *engine, int32_t *slots, uint32_t *gens, int cap);
 int fmc_engine_same_host_fd(fmc_engine *engine);

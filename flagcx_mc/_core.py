@@ -97,7 +97,8 @@ class CoreEngine:
         opts = ffi.new("fmc_options *")
         lib.fmc_options_default(opts)
         opts.local_cc = config.local_cc.encode()
-        opts.prefault = int(bool(config.prefault))
+        opts.prefault = {"off": lib.FMC_PREFAULT_OFF, "touched": lib.FMC_PREFAULT_TOUCHED,
+                         "all": lib.FMC_PREFAULT_ALL}[config.prefault]
         opts.vectors = int(bool(config.vectors))
         opts.spin_us = int(config.spin_us)
         opts.copy_threads = int(config.copy_threads)
@@ -127,7 +128,7 @@ class CoreEngine:
         _raise_for(lib.fmc_unregister(self._ptr, addr))
 
     def region_table(self) -> List[Tuple[int, int, int]]:
-        """The registered regions as (addr, length, key), sorted by address."""
+        """The registered regions as (addr, length, key), in registration order."""
         cap = 64
         while True:
             addrs = ffi.new("uint64_t[]", cap)

@@ -20,7 +20,8 @@ from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
 from .errors import InvalidArgumentError
 
-__all__ = ["EngineConfig", "default_streams", "handshake_max_length", "mooncake_transfer_timeout", "rpc_port_range"]
+__all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_length", "mooncake_transfer_timeout",
+           "prefault_mode", "rpc_port_range"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,39 @@ def _env_flag(name: str) -> Optional[bool]:
     return not (value.startswith("0") or value in ("false", "no", "off"))
 
 
+PREFAULT_MODES = ("off", "touched", "all")
+
+
+def prefault_mode(value: object) -> str:
+    """The prefault setting as one of ``PREFAULT_MODES``.
+
+    ``"touched"`` (also ``True``, ``1``, ``on``): huge pages for future faults, and pages touched
+    before registration collapsed into huge pages; commits nothing.  ``"all"`` (also ``2``): that,
+    and the whole region faulted in at registration (commits it).  ``"off"`` (also ``False``,
+    ``0``): neither."""
+    if isinstance(value, bool):
+        return "touched" if value else "off"
+    text = str(value).strip().lower() if isinstance(value, (int, str)) else None
+    aliases = {"1": "touched", "true": "touched", "yes": "touched", "on": "touched",
+               "0": "off", "false": "off", "no": "off", "2": "all"}
+    mode = aliases.get(text, text) if text is not None else None
+    if mode not in PREFAULT_MODES:
+        raise InvalidArgumentError(f"prefault must be one of {', '.join(PREFAULT_MODES)} (or 1/0), not {value!r}")
+    return mode
+
+
+def _env_prefault(name: str) -> Optional[str]:
+    """``prefault_mode`` of a variable; ``None`` when unset, empty or not a mode (warned)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return prefault_mode(raw)
+    except InvalidArgumentError:
+        log.warning("ignoring %s=%r: not one of %s (or 1/0)", name, raw, ", ".join(PREFAULT_MODES))
+        return None
+
+
 _CC_DIR = "/proc/sys/net/ipv4"
 LOCAL_CC_DEFAULT = "reno"  # what the core uses within this host when FLAGCX_MC_LOCAL_CC is unset
 
@@ -196,11 +230,14 @@ class EngineConfig:
     accept_mooncake_wire: bool = True    # serve initiators speaking Mooncake's TCP framing (no authentication)
     # Settings of the C core, per engine (fmc_options):
     local_cc: str = LOCAL_CC_DEFAULT     # congestion control within this host; "" keeps the host's default
-    prefault: bool = True                # fault registered host memory in, in huge pages
+    prefault: str = "touched"            # registration and huge pages: touched, all or off (prefault_mode)
     vectors: bool = True                 # send runs of small slices as vector requests where targets take them
     spin_us: int = 30                    # poll this long (µs) before sleeping after small transfers; 0: never
     copy_threads: int = 0                # threads copying one large same-host call; 0: online cores (at most 4)
     zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefault", prefault_mode(self.prefault))  # True/False/1/0 accepted too
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
@@ -219,7 +256,7 @@ class EngineConfig:
             "advertise_host": os.environ.get("MC_TCP_BIND_ADDRESS", "").strip() or None,
             "accept_mooncake_wire": _env_flag("FLAGCX_MC_ACCEPT_MOONCAKE_WIRE"),
             "local_cc": os.environ.get("FLAGCX_MC_LOCAL_CC"),  # "" is a value: the host's default
-            "prefault": _env_flag("FLAGCX_MC_PREFAULT"),
+            "prefault": _env_prefault("FLAGCX_MC_PREFAULT"),
             "vectors": _env_flag("FLAGCX_MC_VECTORS"),
             "spin_us": _env_clamped("FLAGCX_MC_SPIN_US", 0, 10000),
             "copy_threads": _env_clamped("FLAGCX_MC_COPY_THREADS", 1, 4),

@@ -104,7 +104,7 @@ def test_settings_read_from_the_environment_as_the_core_read_them(monkeypatch):
         monkeypatch.setenv(name, value)
     config = EngineConfig.from_env()
     assert (config.local_cc, config.prefault, config.vectors, config.spin_us, config.copy_threads,
-            config.zerocopy) == ("", False, False, 0, 1, False)
+            config.zerocopy) == ("", "off", False, 0, 1, False)
     assert EngineConfig.from_env(spin_us=50, zerocopy=True).spin_us == 50  # keywords win
     monkeypatch.setenv("FLAGCX_MC_SPIN_US", "99999")
     assert EngineConfig.from_env().spin_us == 10000

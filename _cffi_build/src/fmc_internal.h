@@ -55,12 +55,26 @@ static inline size_t fmc_reader_buffered(const fmc_reader *r) { return r->end - 
 int fmc_reader_fill(fmc_reader *r, size_t n);
 /* Try to pull more bytes without blocking; returns 1 if any arrived, 0 if none, -1 on EOF/error. */
 int fmc_reader_try_more(fmc_reader *r);
-/* Copy n bytes to dst: buffered bytes first, then straight from the socket. */
+/* Copy n bytes to dst: buffered bytes first, then straight from the socket.  For this process's
+ * own buffers (staging, sinks); registered memory takes fmc_reader_read_region. */
 int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n);
-/* Fill the iovecs in order: buffered bytes first, then straight from the socket; consumes iov. */
-int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt);
 /* Throw n bytes away. */
 int fmc_reader_skip(fmc_reader *r, size_t n);
+/* Copies into registered memory, whose protection the application may have changed since it
+ * registered it (mprotect, munmap): every byte goes through the kernel, which refuses a page it
+ * cannot write (EFAULT) where memcpy would crash this process with SIGSEGV.  Buffered bytes go by
+ * process_vm_writev on ourselves, the rest by recv straight into place.  FMC_READ_REFUSED: the
+ * kernel refused some of the destination; the rest of the n bytes were read and dropped, so the
+ * stream stays in step (bytes of the destination may have changed).  -1: broken connection. */
+#define FMC_READ_REFUSED 1
+int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n);
+/* The iovecs in order (up to FMC_IOV_MAX, not consumed; entries that continue one another are
+ * read as one range), into registered memory: refused[i] = 1 for entries the kernel refused
+ * (their bytes dropped), the others land.  0, or -1 on a broken connection. */
+int fmc_reader_read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused);
+/* n bytes from src to dst through the kernel (process_vm_writev on ourselves); returns how many
+ * landed before a page it refused.  Where process_vm_writev is not allowed, memcpy (unchecked). */
+size_t fmc_copy_checked(void *dst, const void *src, size_t n);
 
 int fmc_send_all(int fd, const void *buf, size_t len);
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
@@ -168,6 +182,7 @@ typedef struct {
 /* --------------------------------------------------------- registry (common/fmc_registry.c) */
 typedef struct fmc_region {
     uint64_t addr, len;
+    uint64_t seq; /* registration number: the region table lists regions in this order */
     uint32_t key;
     int refs;     /* remote operations currently touching the region */
     int removed;  /* unregistered: no new pins (set under the lock, read atomically) */
@@ -186,8 +201,10 @@ typedef struct fmc_vmm_export {
 } fmc_vmm_export;
 
 typedef struct {
-    fmc_region **items; /* sorted by addr, non-overlapping */
+    fmc_region **items; /* sorted by addr, non-overlapping: lookups */
+    fmc_region **order; /* the same regions by seq, oldest first: what descriptors list */
     int count, cap;
+    uint64_t next_seq;
 } fmc_registry;
 
 /* 1 if [base, base+size) wholly holds [addr, addr+len) (len > 0, no wrap-around: checked by
@@ -256,9 +273,10 @@ struct fmc_engine {
     struct fmc_collapser *collapser; /* huge-page collapsing thread (fmc_hugepages.c), guarded by mu */
 };
 
-/* Registered host memory in huge pages (common/fmc_hugepages.c): prepare = ask and fault in, now;
- * collapse_later = turn pages already touched into huge pages, in the background; stop = end the
- * engine's background thread (engine destroy). */
+/* Registered host memory in huge pages (common/fmc_hugepages.c), by the engine's prefault mode:
+ * prepare = ask for huge pages on future faults (and, FMC_PREFAULT_ALL, fault the region in now);
+ * collapse_later = turn wholly resident 2 MiB chunks into huge pages, in the background; stop =
+ * end the engine's background thread (engine destroy). */
 void fmc_hugepages_prepare(const fmc_engine *e, uint64_t addr, uint64_t len);
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key);
 void fmc_hugepages_stop(fmc_engine *e);

@@ -33,7 +33,7 @@ class _Node(EngineServer):
     """Command handlers of the child process."""
 
     COMMANDS = EngineServer.COMMANDS | {"init", "add_region", "region_info", "unregister", "register", "count_byte",
-                                        "transfer", "stats"}
+                                        "transfer", "stats", "first_buffer_address", "protect"}
 
     def init(self, host: str = "127.0.0.1", regions: Sequence[int] = (), config: dict | None = None,
              engine: str = "flagcx_mc", metadata_server: str = "P2PHANDSHAKE") -> dict:
@@ -80,6 +80,25 @@ class _Node(EngineServer):
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def protect(self, region: int, access: str = "rw") -> dict:
+        """mprotect the whole pages of a registered region behind the engine's back: ``"rw"``,
+        ``"r"`` (read-only) or ``""`` (no access), as an application may after registering it."""
+        import ctypes
+        import mmap
+
+        r, page = self.regions[region], mmap.PAGESIZE
+        start, end = -(-r.addr // page) * page, (r.addr + r.size) // page * page
+        prot = (mmap.PROT_READ if "r" in access else 0) | (mmap.PROT_WRITE if "w" in access else 0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.mprotect(start, end - start, prot) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect failed")
+        return {}
+
+    def first_buffer_address(self, segment: str) -> dict:
+        """What this engine's ``get_first_buffer_address`` says of another segment."""
+        return {"addr": self.engine.get_first_buffer_address(segment)}
 
 
 def _serve() -> None:

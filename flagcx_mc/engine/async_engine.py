@@ -13,7 +13,8 @@ import json
 import os
 import time
 import weakref
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import errors
 from .._core import CoreEngine, as_u64, as_u64_list
@@ -52,7 +53,7 @@ class AsyncTransferEngine:
         weakref.finalize(self, self._state.abandon)
 
     @classmethod
-    def over(cls, state: EngineState) -> "AsyncTransferEngine":
+    def over(cls, state: EngineState) -> AsyncTransferEngine:
         """A facade over an existing state (the sync facade's coroutines run through one)."""
         engine = cls.__new__(cls)
         engine._state = state
@@ -62,7 +63,7 @@ class AsyncTransferEngine:
 
     @classmethod
     async def create(cls, local_hostname: str, metadata_server: str = P2P_HANDSHAKE, protocol: str = "tcp",
-                     device_name: str = "", **config: Any) -> "AsyncTransferEngine":
+                     device_name: str = "", **config: Any) -> AsyncTransferEngine:
         engine = cls(**config)
         await engine.initialize(local_hostname, metadata_server, protocol, device_name)
         return engine
@@ -91,7 +92,7 @@ class AsyncTransferEngine:
         """Close sessions, stop the servers and free the core (idempotent)."""
         await self._state.stop()
 
-    async def __aenter__(self) -> "AsyncTransferEngine":
+    async def __aenter__(self) -> AsyncTransferEngine:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -119,7 +120,7 @@ class AsyncTransferEngine:
         histogram of transfer calls; see metrics.py)."""
         return self._state.stats()
 
-    async def get_local_topology(self, device_name: Optional[str] = None) -> str:
+    async def get_local_topology(self, device_name: str | None = None) -> str:
         """Mooncake's priority matrix as JSON; with no RDMA devices every location maps to none."""
         nodes = sorted(
             int(n[4:]) for n in _listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit()
@@ -174,7 +175,7 @@ class AsyncTransferEngine:
     async def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> None:
         """Unregister every address; raises the first error after trying them all."""
         core = self._require_core()
-        first: Optional[errors.FlagcxMcError] = None
+        first: errors.FlagcxMcError | None = None
         for addr in as_u64_list(buffer_addresses, "buffer_addresses"):
             try:
                 await self._in_executor(core.unregister, self._refuse_managed(addr))
@@ -252,20 +253,20 @@ class AsyncTransferEngine:
         await self._transfer(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
 
     async def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                            opcode: int, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> None:
+                            opcode: int, notify: TransferNotify | None = None, transport_hint: str = "") -> None:
         """One transfer by opcode; ``notify`` reaches the target after the data landed."""
         await self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
 
     async def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
-                                  notify: Optional[TransferNotify] = None, transport_hint: str = "") -> None:
+                                  notify: TransferNotify | None = None, transport_hint: str = "") -> None:
         check_notify(notify)
         req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         session = await self._transfer(target_hostname, req)
         if notify is not None:
             await self.send_notify(target_hostname, notify, session)
 
-    async def _transfer(self, target: str, req: TransferRequest) -> Optional[Session]:
+    async def _transfer(self, target: str, req: TransferRequest) -> Session | None:
         sessions = self._state.require_sessions()
         if req.count == 0:
             return None
@@ -315,7 +316,7 @@ class AsyncTransferEngine:
 
     async def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> None:
         """Wait for every batch; each is forgotten once done.  Raises the first failure."""
-        first: Optional[errors.FlagcxMcError] = None
+        first: errors.FlagcxMcError | None = None
         for batch_id in as_u64_list(batch_ids, "batch_ids"):
             try:
                 pending = self._state.batches.get(batch_id)
@@ -412,7 +413,7 @@ class AsyncTransferEngine:
             raise errors.HandshakeRejectedError(f"{peer_server_name} answered the probe with {reply!r}")
 
     async def send_notify(self, target_hostname: str, notify: TransferNotify,
-                          session: Optional[Session] = None) -> None:
+                          session: Session | None = None) -> None:
         """Deliver ``notify`` to the target's ``get_notifies()``."""
         if session is None:
             session = await self._state.require_sessions().get(target_hostname)
@@ -421,7 +422,7 @@ class AsyncTransferEngine:
                              {"name": notify.name, "notify_msg": notify.msg}, timeout=config.handshake_timeout,
                              max_length=config.handshake_max_length)
 
-    def get_notifies(self) -> List[TransferNotify]:
+    def get_notifies(self) -> list[TransferNotify]:
         """Drain the notifications peers sent to this engine, oldest first."""
         items = list(self._state.notifies)
         self._state.notifies.clear()
@@ -452,16 +453,16 @@ def _session(conn: object) -> Session:
     return conn
 
 
-def _listdir(path: str) -> List[str]:
+def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
     except OSError:
         return []
 
 
-def _unregister_each(core: CoreEngine, addrs: List[int]) -> None:
+def _unregister_each(core: CoreEngine, addrs: list[int]) -> None:
     """Unregister every address, the first error raised after trying them all."""
-    first: Optional[errors.FlagcxMcError] = None
+    first: errors.FlagcxMcError | None = None
     for addr in addrs:
         try:
             core.unregister(addr)
@@ -471,8 +472,8 @@ def _unregister_each(core: CoreEngine, addrs: List[int]) -> None:
         raise first
 
 
-def _register_all(core: CoreEngine, addrs: List[int], lens: List[int]) -> None:
-    done: List[int] = []
+def _register_all(core: CoreEngine, addrs: list[int], lens: list[int]) -> None:
+    done: list[int] = []
     try:
         for addr, length in zip(addrs, lens):
             core.register(addr, length)

@@ -10,7 +10,6 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict
 
 from .. import errors
 from .._core import CoreBatch
@@ -41,7 +40,7 @@ class BatchTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._items: Dict[int, PendingBatch] = {}
+        self._items: dict[int, PendingBatch] = {}
 
     def add(self, pending: PendingBatch) -> int:
         with self._lock:

@@ -11,8 +11,8 @@ import ctypes
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List
 
 from .. import errors
 from .._core import as_u64
@@ -60,11 +60,11 @@ class ManagedPool:
         self._unregister = unregister
         self._chunk_size = chunk_size
         self._lock = threading.Lock()
-        self._chunks: List[_Mapping] = []
+        self._chunks: list[_Mapping] = []
         self._bump = 0                        # next free byte in the newest chunk
-        self._free: Dict[int, List[int]] = {}  # size class -> free block addresses
-        self._live: Dict[int, int] = {}        # block address -> size class (0: dedicated)
-        self._dedicated: Dict[int, _Mapping] = {}
+        self._free: dict[int, list[int]] = {}  # size class -> free block addresses
+        self._live: dict[int, int] = {}        # block address -> size class (0: dedicated)
+        self._dedicated: dict[int, _Mapping] = {}
 
     def allocate(self, length: int) -> int:
         """Return the address of a registered block of at least ``length`` bytes."""
@@ -107,7 +107,7 @@ class ManagedPool:
             else:
                 self._free.setdefault(size, []).append(addr)
 
-    def shared_mappings(self) -> Dict[int, tuple]:
+    def shared_mappings(self) -> dict[int, tuple]:
         """Region start -> (memfd number, size) of every mapping: same-host peers map these."""
         with self._lock:
             return {m.addr: (m.fd, m.size) for m in list(self._dedicated.values()) + self._chunks}

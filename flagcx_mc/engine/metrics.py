@@ -15,8 +15,9 @@ import bisect
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 from .._core import ffi
 
@@ -36,7 +37,7 @@ class PeerStats:
     transfers: int = 0
     failures: int = 0
     latency_sum: float = 0.0
-    latency_buckets: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
 
     def as_dict(self) -> dict:
         return {
@@ -54,8 +55,8 @@ class EngineMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._peers: Dict[str, PeerStats] = {}
-        self._core_counts: Dict[str, Any] = {}  # peer name -> fmc_call_stats * (lives as long as this)
+        self._peers: dict[str, PeerStats] = {}
+        self._core_counts: dict[str, Any] = {}  # peer name -> fmc_call_stats * (lives as long as this)
 
     def core_counts(self, peer: str) -> Any:
         """The struct the core counts ``peer``'s successful calls in; every session opened to that

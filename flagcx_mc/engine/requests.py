@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Tuple
 
 from .. import errors
 from .._argpack import pack3
@@ -43,7 +43,7 @@ class TransferRequest:
     @classmethod
     def build(
         cls, opcode: int, buffers: Sequence[int], peer_addresses: Sequence[int], lengths: Sequence[int]
-    ) -> "TransferRequest":
+    ) -> TransferRequest:
         """Validate the three lists (same length, unsigned 64-bit ints) and pack them, at C speed."""
         try:
             packed, n, total = pack3(buffers, peer_addresses, lengths)
@@ -52,13 +52,13 @@ class TransferRequest:
         return cls(opcode, n, total, packed)
 
     @classmethod
-    def single(cls, opcode: int, buffer: int, peer_address: int, length: int) -> "TransferRequest | SingleTransfer":
+    def single(cls, opcode: int, buffer: int, peer_address: int, length: int) -> TransferRequest | SingleTransfer:
         if (type(buffer) is int and type(peer_address) is int and type(length) is int
                 and 0 <= buffer <= _U64_MAX and 0 <= peer_address <= _U64_MAX and 0 <= length <= _U64_MAX):
             return SingleTransfer(opcode, buffer, peer_address, length)
         return cls.build(opcode, [buffer], [peer_address], [length])  # raises the precise error
 
-    def run(self, session, config: EngineConfig) -> Tuple[int, str]:
+    def run(self, session, config: EngineConfig) -> tuple[int, str]:
         """Move the bytes (blocking, GIL released); returns (rc, reason)."""
         timeout_ms = int(config.timeout_for(self.total_bytes) * 1000)
         return session.peer.transfer_packed(self.opcode, self.count, self.packed, timeout_ms)
@@ -82,7 +82,7 @@ class SingleTransfer:
         self.opcode, self.count, self.total_bytes = opcode, 1, length
         self.buffer, self.peer_address, self.length = buffer, peer_address, length
 
-    def run(self, session, config: EngineConfig) -> Tuple[int, str]:
+    def run(self, session, config: EngineConfig) -> tuple[int, str]:
         timeout_ms = int(config.timeout_for(self.length) * 1000)
         return session.peer.transfer_one(self.opcode, self.buffer, self.peer_address, self.length, timeout_ms)
 

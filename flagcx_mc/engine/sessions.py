@@ -12,7 +12,6 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 from .. import errors
 from .._core import PROTO_MOONCAKE, CoreEngine, CorePeer
@@ -51,16 +50,16 @@ class SessionCache:
         self._config = config
         self._executor = executor
         self._resolver = resolver
-        self._open: Dict[str, Session] = {}
-        self._opening: Dict[str, asyncio.Task] = {}
-        self._refreshing: Dict[str, asyncio.Task] = {}
+        self._open: dict[str, Session] = {}
+        self._opening: dict[str, asyncio.Task] = {}
+        self._refreshing: dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
 
     def open_sessions(self) -> list:
         """The sessions open now (a snapshot)."""
         return list(self._open.values())
 
-    def peek(self, name: str) -> Optional[Session]:
+    def peek(self, name: str) -> Session | None:
         """The open, healthy session for ``name`` or None; safe from any thread."""
         session = self._open.get(name)
         if session is not None and session.peer.healthy:
@@ -199,7 +198,7 @@ def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
                 log.warning("cannot map GPU region %#x of %s here: %s", r.addr, desc.name, exc)
 
 
-def _regions(desc: SegmentDesc) -> List[Tuple[int, int, int]]:
+def _regions(desc: SegmentDesc) -> list[tuple[int, int, int]]:
     """(addr, length, key) of every remote region; Mooncake peers have no keys (0)."""
     if desc.native is not None:
         return [(r.addr, r.length, r.key) for r in desc.native.regions]

@@ -14,8 +14,9 @@ import collections
 import logging
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Deque, Optional, TypeVar
+from typing import Any, TypeVar
 
 from .. import errors
 from .._core import CoreEngine
@@ -53,8 +54,8 @@ class EngineState:
         self.config = config
         self.metrics = EngineMetrics()
         self.batches = BatchTable()
-        self.notifies: Deque[TransferNotify] = collections.deque(maxlen=_MAX_QUEUED_NOTIFIES)
-        self.store: Optional[StoreResolver] = None
+        self.notifies: collections.deque[TransferNotify] = collections.deque(maxlen=_MAX_QUEUED_NOTIFIES)
+        self.store: StoreResolver | None = None
         self.host = ""
         self.name = ""
         self.rpc_port = 0
@@ -63,14 +64,14 @@ class EngineState:
         # calling threads): list.append and list.pop are atomic, so entering costs ~50 ns.
         # Stopping waits for it to empty before freeing the core.
         self.calls_in_core: list = []
-        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop the engine started on
-        self._core: Optional[CoreEngine] = None
-        self._server: Optional[HandshakeServer] = None
-        self._sessions: Optional[SessionCache] = None
-        self._segment: Optional[LocalSegment] = None
-        self._managed: Optional[ManagedPool] = None
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._log_task: Optional[asyncio.Task] = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the engine started on
+        self._core: CoreEngine | None = None
+        self._server: HandshakeServer | None = None
+        self._sessions: SessionCache | None = None
+        self._segment: LocalSegment | None = None
+        self._managed: ManagedPool | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._log_task: asyncio.Task | None = None
         self._publish_lock = asyncio.Lock()  # orders updates of our descriptor on a metadata server
 
     # ------------------------------------------------------------------ lifecycle
@@ -241,7 +242,7 @@ class EngineState:
 
     # ------------------------------------------------------------------ transfers
 
-    async def settle(self, target: str, req: "TransferRequest | SingleTransfer", session: Session, rc: int,
+    async def settle(self, target: str, req: TransferRequest | SingleTransfer, session: Session, rc: int,
                      why: str) -> Session:
         """A call's first try came back ``rc``: try once more on a refreshed region table when
         that can help (memory the peer registered since, or a stale address), then raise what is

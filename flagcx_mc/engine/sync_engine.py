@@ -14,17 +14,11 @@ import functools
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import (
     Any,
-    Callable,
-    Coroutine,
-    List,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
     TypeVar,
 )
 
@@ -74,7 +68,7 @@ class _LoopThread:
     def __init__(self) -> None:
         loop = self.loop = _new_loop()
         self._lock = threading.Lock()
-        self._waiting: Set[Future] = set()
+        self._waiting: set[Future] = set()
         self._stopped = False
         ready = threading.Event()
 
@@ -87,7 +81,7 @@ class _LoopThread:
         self.thread.start()
         ready.wait()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: Optional[float]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         if threading.current_thread() is self.thread:
             coro.close()
             raise errors.EngineStateError("TransferEngine methods cannot be called from its own loop thread")
@@ -110,7 +104,7 @@ class _LoopThread:
             with self._lock:
                 self._waiting.discard(future)
 
-    def stop(self, last: Optional[Coroutine[Any, Any, Any]] = None) -> None:
+    def stop(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
         """Run ``last`` (the engine's shutdown) on the loop, then stop it and fail what waits.
         From the loop's own thread (a finalizer can run there) nothing can be waited for: the
         shutdown is scheduled and the loop stops after it."""
@@ -169,7 +163,7 @@ def _on_failure(value: Any = _CODE) -> Callable[[Callable[..., Any]], Callable[.
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
-        def wrapper(self: "TransferEngine", *args: Any, **kwargs: Any) -> Any:
+        def wrapper(self: TransferEngine, *args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(self, *args, **kwargs)
             except Exception as exc:
@@ -196,13 +190,13 @@ class TransferEngine:
         self._loop_thread: list = []  # [_LoopThread] once started; shared with the finalizer
         self._start_lock = threading.Lock()
         self._initialized = False
-        self._sessions: Optional[SessionCache] = None  # the state's, once initialized: the fast path's
+        self._sessions: SessionCache | None = None  # the state's, once initialized: the fast path's
         # Code written for Mooncake never closes an engine: dropping the last reference does.
         self._finalizer = weakref.finalize(self, _shut_down, self._state, self._loop_thread)
 
     # ------------------------------------------------------------------ private loop
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: Optional[float] = _CONTROL_TIMEOUT) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = _CONTROL_TIMEOUT) -> T:
         holder = self._loop_thread
         if not holder:
             coro.close()
@@ -261,7 +255,7 @@ class TransferEngine:
             self._initialized = False
             self._finalizer()  # stops the state and the loop thread, once
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -287,7 +281,7 @@ class TransferEngine:
         return 0
 
     @_on_failure("")
-    def get_local_topology(self, device_name: Optional[str] = None) -> str:
+    def get_local_topology(self, device_name: str | None = None) -> str:
         return self._run(self._engine.get_local_topology(device_name))
 
     # ------------------------------------------------------------------ memory
@@ -365,13 +359,13 @@ class TransferEngine:
 
     @_code
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
-                      opcode: int, notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+                      opcode: int, notify: TransferNotify | None = None, transport_hint: str = "") -> int:
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
 
     @_code
     def batch_transfer_sync(self, target_hostname: str, buffers: Sequence[int],
                             peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
-                            notify: Optional[TransferNotify] = None, transport_hint: str = "") -> int:
+                            notify: TransferNotify | None = None, transport_hint: str = "") -> int:
         check_notify(notify)
         req = TransferRequest.build(mooncake_opcode(opcode), buffers, peer_buffer_addresses, lengths)
         self._transfer(target_hostname, req)
@@ -379,7 +373,7 @@ class TransferEngine:
             self._run(self._engine.send_notify(target_hostname, notify))
         return 0
 
-    def _transfer(self, target: str, req: "TransferRequest | SingleTransfer") -> int:
+    def _transfer(self, target: str, req: TransferRequest | SingleTransfer) -> int:
         """The fast path: an open, healthy session and a first try that works cost one dict
         lookup and two core calls (health, transfer); the core counts the call.  Anything else
         goes to _transfer_slowly, which opens or refreshes the session and raises the error."""
@@ -395,7 +389,7 @@ class TransferEngine:
             return 0
         return self._transfer_slowly(target, req, session, rc, why)
 
-    def _run_in_core(self, req: "TransferRequest | SingleTransfer", session: Session) -> Tuple[int, str]:
+    def _run_in_core(self, req: TransferRequest | SingleTransfer, session: Session) -> tuple[int, str]:
         """``req.run`` in this thread, counted in ``calls_in_core`` so that close() frees the
         core only once no thread is inside it."""
         inside = self._calls_in_core
@@ -407,7 +401,7 @@ class TransferEngine:
         finally:
             inside.pop()
 
-    def _transfer_slowly(self, target: str, req: "TransferRequest | SingleTransfer", session: Optional[Session],
+    def _transfer_slowly(self, target: str, req: TransferRequest | SingleTransfer, session: Session | None,
                          rc: int, why: str) -> int:
         """Finish a call the fast path could not: ``session`` None means no usable session yet,
         else ``rc``/``why`` are its first try's result."""
@@ -508,7 +502,7 @@ class TransferEngine:
         self._run(self._engine.send_probe(peer_server_name))
         return 0
 
-    def get_notifies(self, /) -> List[TransferNotify]:
+    def get_notifies(self, /) -> list[TransferNotify]:
         return self._engine.get_notifies()
 
     def warmup_efa_segment(self, segment_name: str) -> int:

@@ -1,6 +1,8 @@
-/* Registered regions: a sorted, non-overlapping array searched by binary search.  Every access
- * happens under engine->mu; regions are pinned (refs) while remote operations touch them, so
- * that unregister can wait until nobody does. */
+/* Registered regions: a sorted, non-overlapping array searched by binary search, and beside it
+ * the same regions in registration order (Mooncake describes a segment's buffers in that order,
+ * and get_first_buffer_address means the first one registered).  Every access happens under
+ * engine->mu; regions are pinned (refs) while remote operations touch them, so that unregister
+ * can wait until nobody does. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
@@ -60,6 +62,10 @@ int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t ke
         if (!n)
             return FMC_ERR_MEMORY;
         reg->items = n;
+        fmc_region **o = realloc(reg->order, (size_t)ncap * sizeof *o);
+        if (!o)
+            return FMC_ERR_MEMORY; /* items grew alone: harmless, cap still says the smaller */
+        reg->order = o;
         reg->cap = ncap;
     }
     fmc_region *r = calloc(1, sizeof *r);
@@ -69,9 +75,11 @@ int fmc_registry_add(fmc_registry *reg, uint64_t addr, uint64_t len, uint32_t ke
     r->len = len;
     r->key = key;
     r->writable = writable;
+    r->seq = reg->next_seq++;
     int pos = i + 1;
     memmove(reg->items + pos + 1, reg->items + pos, (size_t)(reg->count - pos) * sizeof *reg->items);
     reg->items[pos] = r;
+    reg->order[reg->count] = r; /* the newest: seq grows, so `order` stays sorted by it */
     reg->count++;
     return FMC_OK;
 }
@@ -83,6 +91,15 @@ fmc_region *fmc_registry_remove(fmc_registry *reg, uint64_t addr)
         return NULL;
     fmc_region *r = reg->items[i];
     memmove(reg->items + i, reg->items + i + 1, (size_t)(reg->count - i - 1) * sizeof *reg->items);
+    int lo = 0, hi = reg->count - 1; /* its place in `order`, by seq */
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (reg->order[mid]->seq < r->seq)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    memmove(reg->order + lo, reg->order + lo + 1, (size_t)(reg->count - lo - 1) * sizeof *reg->order);
     reg->count--;
     __atomic_store_n(&r->removed, 1, __ATOMIC_RELEASE); /* also read without the lock (server pin()) */
     return r;
@@ -107,7 +124,8 @@ void fmc_registry_free(fmc_registry *reg)
     for (int i = 0; i < reg->count; i++)
         fmc_region_free(reg->items[i]);
     free(reg->items);
-    reg->items = NULL;
+    free(reg->order);
+    reg->items = reg->order = NULL;
     reg->count = reg->cap = 0;
 }
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -149,14 +150,101 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
     return fmc_recv_all(r->fd, (uint8_t *)dst + take, n - take);
 }
 
-int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
+/* ---------------------------------------------- checked copies into registered memory */
+
+/* 0: not tried yet; 1: process_vm_writev works on ourselves; -1: the kernel (or a sandbox's
+ * seccomp filter) refuses it, and buffered bytes are copied with memcpy, unchecked. */
+static int pvm_state;
+
+size_t fmc_copy_checked(void *dst, const void *src, size_t n)
 {
-    iovcnt = fmc_iov_merge(iov, iovcnt);
-    while (iovcnt > 0 && r->end > r->start) {
-        size_t take = r->end - r->start < iov->iov_len ? r->end - r->start : iov->iov_len;
-        memcpy(iov->iov_base, r->buf + r->start, take);
+    if (__atomic_load_n(&pvm_state, __ATOMIC_RELAXED) >= 0) {
+        struct iovec local = {.iov_base = (void *)src, .iov_len = n}, remote = {.iov_base = dst, .iov_len = n};
+        ssize_t got = process_vm_writev(getpid(), &local, 1, &remote, 1, 0); /* not cached: fork */
+        if (got >= 0 || errno == EFAULT) {
+            __atomic_store_n(&pvm_state, 1, __ATOMIC_RELAXED);
+            return got > 0 ? (size_t)got : 0;
+        }
+        if (errno != ENOSYS && errno != EPERM && errno != ESRCH)
+            return 0; /* ENOMEM: as refused */
+        __atomic_store_n(&pvm_state, -1, __ATOMIC_RELAXED);
+    }
+    memcpy(dst, src, n);
+    return n;
+}
+
+/* Drop the n bytes that were meant for memory the kernel refused: FMC_READ_REFUSED, or -1 when
+ * the connection broke meanwhile. */
+static int refuse_rest(fmc_reader *r, size_t n)
+{
+    return fmc_reader_skip(r, n) < 0 ? -1 : FMC_READ_REFUSED;
+}
+
+int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n)
+{
+    size_t have = r->end - r->start;
+    size_t take = have < n ? have : n;
+    if (take) {
+        size_t copied = fmc_copy_checked(dst, r->buf + r->start, take);
         r->start += take;
-        fmc_iov_advance(&iov, &iovcnt, take);
+        if (copied < take)
+            return refuse_rest(r, n - take);
+    }
+    uint8_t *p = (uint8_t *)dst + take;
+    size_t left = n - take;
+    while (left) {
+        ssize_t got = recv(r->fd, p, left, MSG_WAITALL);
+        if (got > 0) {
+            p += got;
+            left -= (size_t)got;
+        } else if (got < 0 && errno == EINTR) {
+            continue;
+        } else if (got < 0 && errno == EFAULT) {
+            /* TCP leaves bytes it could not copy in the socket (ones copied into the writable
+             * part of a failed chunk are counted as not received): skip them all. */
+            return refuse_rest(r, left);
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Read `want` bytes into the iovecs (consumed): the buffered ones with one checked copy, the
+ * rest with scatter recvmsg.  0 when all landed, -1 on a broken connection, FMC_READ_REFUSED
+ * when the kernel refused a destination: *done then says how many bytes landed before it, and
+ * the bytes from there on are still unread (in the buffer or the socket). */
+static int read_iov_until_refused(fmc_reader *r, struct iovec *iov, int iovcnt, size_t *done)
+{
+    *done = 0;
+    size_t have = r->end - r->start;
+    if (have && iovcnt > 0) {
+        struct iovec remote[FMC_IOV_MAX];
+        int k = 0;
+        size_t take = 0;
+        for (; k < iovcnt && k < FMC_IOV_MAX && take < have; k++) {
+            size_t part = iov[k].iov_len < have - take ? iov[k].iov_len : have - take;
+            remote[k] = (struct iovec){.iov_base = iov[k].iov_base, .iov_len = part};
+            take += part;
+        }
+        size_t copied = 0;
+        if (__atomic_load_n(&pvm_state, __ATOMIC_RELAXED) > 0) {
+            struct iovec local = {.iov_base = r->buf + r->start, .iov_len = take};
+            ssize_t got = process_vm_writev(getpid(), &local, 1, remote, (unsigned long)k, 0);
+            copied = got > 0 ? (size_t)got : 0;
+        } else {
+            for (int i = 0; i < k; i++) { /* first use, or no process_vm_writev: one by one */
+                size_t c = fmc_copy_checked(remote[i].iov_base, r->buf + r->start + copied, remote[i].iov_len);
+                copied += c;
+                if (c < remote[i].iov_len)
+                    break;
+            }
+        }
+        r->start += copied;
+        *done += copied;
+        fmc_iov_advance(&iov, &iovcnt, copied);
+        if (copied < take)
+            return FMC_READ_REFUSED;
     }
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
@@ -166,9 +254,53 @@ int fmc_reader_read_iov(fmc_reader *r, struct iovec *iov, int iovcnt)
         ssize_t got = recvmsg(r->fd, &msg, MSG_WAITALL);
         if (got < 0 && errno == EINTR)
             continue;
+        if (got < 0 && errno == EFAULT)
+            return FMC_READ_REFUSED;
         if (got <= 0)
             return -1;
+        *done += (size_t)got;
         fmc_iov_advance(&iov, &iovcnt, (size_t)got);
+    }
+    return 0;
+}
+
+int fmc_reader_read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused)
+{
+    struct iovec run[FMC_IOV_MAX];
+    int i = 0;       /* the first entry not wholly landed */
+    size_t off = 0;  /* bytes of it that did */
+    if (iovcnt > FMC_IOV_MAX)
+        return -1;
+    memset(refused, 0, (size_t)iovcnt);
+    while (i < iovcnt) {
+        /* All the entries left, merged where they continue one another (one page-table walk
+         * per range for the kernel). */
+        int n = 0;
+        for (int j = i; j < iovcnt; j++)
+            run[n++] = j == i ? (struct iovec){.iov_base = (uint8_t *)iov[j].iov_base + off, .iov_len = iov[j].iov_len - off}
+                              : iov[j];
+        n = fmc_iov_merge(run, n);
+        size_t done = 0;
+        int rc = read_iov_until_refused(r, run, n, &done);
+        if (rc <= 0)
+            return rc;
+        /* Refused somewhere at or after `done` bytes: entries wholly before it landed.  The
+         * kernel may report the refusal a little before the refused entry (a chunk of the
+         * socket's data spanning two destinations fails whole), so the entry holding that point
+         * is read on its own: it is refused only if it fails alone. */
+        done += off;
+        while (i < iovcnt && done >= iov[i].iov_len) {
+            done -= iov[i].iov_len;
+            i++;
+        }
+        if (i == iovcnt)
+            return 0;
+        rc = fmc_reader_read_region(r, (uint8_t *)iov[i].iov_base + done, iov[i].iov_len - done);
+        if (rc < 0)
+            return -1;
+        refused[i] = rc == FMC_READ_REFUSED;
+        i++;
+        off = 0;
     }
     return 0;
 }

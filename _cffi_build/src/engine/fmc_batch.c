@@ -479,7 +479,10 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     rc = batch_wait(b, timeout_ms, spin);
     if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT) {
         fmc_set_error("transfer to %s:%d failed (%s)", p->host, p->data_port,
-                      rc == FMC_ERR_REMOTE_REFUSED ? "the target refused a range" : "connection lost");
+                      rc == FMC_ERR_REMOTE_REFUSED    ? "the target refused a range"
+                      : rc == FMC_ERR_INVALID_ARGUMENT ? "the kernel refused to write a local buffer: its "
+                                                         "protection changed after registration?"
+                                                       : "connection lost");
     }
     fmc_batch_free(b);
     if (rc == FMC_OK)

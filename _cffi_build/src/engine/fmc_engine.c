@@ -23,7 +23,7 @@ void fmc_options_default(fmc_options *o)
 {
     memset(o, 0, sizeof *o);
     strcpy(o->local_cc, "reno");
-    o->prefault = 1;
+    o->prefault = FMC_PREFAULT_TOUCHED;
     o->vectors = 1;
     o->spin_us = 30;
     o->copy_threads = 0;
@@ -195,7 +195,7 @@ int fmc_register(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t *key_out)
         return FMC_ERR_NOT_IMPLEMENTED;
     int host = dev < 0 && writable;
     if (host)
-        fmc_hugepages_prepare(e, addr, len); /* huge pages, faulted in: first-touch writes are slow */
+        fmc_hugepages_prepare(e, addr, len); /* huge pages for future faults; commits nothing by default */
     pthread_mutex_lock(&e->mu);
     rc = fmc_registry_add(&e->reg, addr, len, key, writable);
     if (rc == FMC_OK) {
@@ -348,8 +348,8 @@ int fmc_region_slots(fmc_engine *e, int32_t *slots, uint32_t *gens, int cap)
     pthread_mutex_lock(&e->mu);
     int n = e->reg.count;
     for (int i = 0; i < n && i < cap; i++) {
-        slots[i] = e->reg.items[i]->sh_slot;
-        gens[i] = e->reg.items[i]->sh_gen;
+        slots[i] = e->reg.order[i]->sh_slot;
+        gens[i] = e->reg.order[i]->sh_gen;
     }
     pthread_mutex_unlock(&e->mu);
     return n;
@@ -359,10 +359,10 @@ int fmc_region_table(fmc_engine *e, uint64_t *addrs, uint64_t *lens, uint32_t *k
 {
     pthread_mutex_lock(&e->mu);
     int n = e->reg.count;
-    for (int i = 0; i < n && i < cap; i++) {
-        addrs[i] = e->reg.items[i]->addr;
-        lens[i] = e->reg.items[i]->len;
-        keys[i] = e->reg.items[i]->key;
+    for (int i = 0; i < n && i < cap; i++) { /* registration order (fmc_registry.c) */
+        addrs[i] = e->reg.order[i]->addr;
+        lens[i] = e->reg.order[i]->len;
+        keys[i] = e->reg.order[i]->key;
     }
     pthread_mutex_unlock(&e->mu);
     return n;

@@ -84,14 +84,26 @@ void fmc_mc_serve(fmc_conn_state *cs)
             if (!v2 || is_write)
                 break; /* v1 learns of a refusal only by the close, as from Mooncake itself */
         } else if (is_write) {
-            int rc = size ? fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)addr, (size_t)size) : 0;
+            int rc = size ? fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)addr, (size_t)size) : 0;
             if (r)
                 fmc_conn_unpin(cs, r);
             if (rc < 0)
                 break;
-            cs->served_in += size;
-            if (v2)
-                queue_status(cs, 1, NULL, 0);
+            if (rc == FMC_READ_REFUSED) {
+                /* The kernel refused the destination (its protection changed after registration);
+                 * the payload was read and dropped, so v2 hears of it and the connection goes on. */
+                cs->e->stat_refused++;
+                fmc_engine_log(e, "refused Mooncake-framed write of %llu bytes at 0x%llx: the kernel refused to write "
+                               "the registered memory (its protection changed after registration?)",
+                               (unsigned long long)size, (unsigned long long)addr);
+                if (!v2)
+                    break;
+                queue_status(cs, 0, NULL, 0);
+            } else {
+                cs->served_in += size;
+                if (v2)
+                    queue_status(cs, 1, NULL, 0);
+            }
         } else {
             if (r)
                 cs->read_pins[cs->nread_pins++] = r;

@@ -202,11 +202,19 @@ static int send_answers(fmc_conn_state *cs)
 {
     if (!cs->niov)
         return 0;
-    if (!cs->nzc)
-        return fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
-    int rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, cs->zc_pipe);
-    memset(cs->zc, 0, (size_t)cs->niov);
-    cs->nzc = 0;
+    int rc;
+    if (!cs->nzc) {
+        rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
+    } else {
+        rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, cs->zc_pipe);
+        memset(cs->zc, 0, (size_t)cs->niov);
+        cs->nzc = 0;
+    }
+    /* The kernel checks every byte it sends: a region made unreadable after registration fails
+     * the send (part of the answers may be on the wire already, so the connection goes). */
+    if (rc < 0 && errno == EFAULT)
+        fmc_engine_log(cs->e, "dropped a data connection: the kernel refused to read registered memory for a read "
+                       "answer (its protection changed after registration?)");
     return rc;
 }
 
@@ -368,6 +376,16 @@ static void refuse(fmc_conn_state *cs, const fmc_req *q)
     const char *ro = q->opcode == FMC_WIRE_OP_WRITE ? " (or the region is read-only)" : "";
     fmc_engine_log(cs->e, "refused %s of %llu bytes at 0x%llx (key %u): not inside a registered region with that key%s",
                    what, (unsigned long long)q->len, (unsigned long long)q->addr, q->key, ro);
+}
+
+/* A write whose destination the kernel refused to write (the region was made read-only or
+ * unmapped after registration): its payload was dropped and the request is refused. */
+static void refuse_protected(fmc_conn_state *cs, uint64_t addr, uint64_t len)
+{
+    cs->e->stat_refused++;
+    fmc_engine_log(cs->e, "refused write of %llu bytes at 0x%llx: the kernel refused to write the registered "
+                   "memory (its protection changed after registration?)",
+                   (unsigned long long)len, (unsigned long long)addr);
 }
 
 enum { WIRE_NATIVE = 0, WIRE_MOONCAKE = 1 };
@@ -540,18 +558,21 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
         struct iovec iov[FMC_VEC_MAX];
         if (rc == 0 && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
             rc = -1;
+        uint8_t refused[FMC_VEC_MAX] = {0}; /* destinations the kernel refused to write */
         if (rc == 0 && gpu_bytes == 0) {
             for (int i = 0; i < n; i++)
                 iov[i] = (struct iovec){.iov_base = reg[i] ? (void *)(uintptr_t)addr[i] : cs->sink,
                                         .iov_len = (size_t)len[i]};
-            rc = fmc_reader_read_iov(&cs->rd, iov, n);
+            rc = fmc_reader_read_regions(&cs->rd, iov, n, refused);
         }
         for (int i = 0; rc == 0 && gpu_bytes && i < n; i++) {
-            if (!reg[i])
+            if (!reg[i]) {
                 rc = fmc_reader_read_into(&cs->rd, cs->sink, (size_t)len[i]);
-            else if (reg[i]->cuda_dev < 0)
-                rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)addr[i], (size_t)len[i]);
-            else if (fmc_staging_reserve(&cs->stage, (size_t)len[i]) != 0 ||
+            } else if (reg[i]->cuda_dev < 0) {
+                rc = fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)addr[i], (size_t)len[i]);
+                refused[i] = rc == FMC_READ_REFUSED;
+                rc = rc < 0 ? -1 : 0;
+            } else if (fmc_staging_reserve(&cs->stage, (size_t)len[i]) != 0 ||
                      fmc_reader_read_into(&cs->rd, cs->stage.buf, (size_t)len[i]) < 0 ||
                      fmc_cuda_copy(addr[i], (uint64_t)(uintptr_t)cs->stage.buf, (size_t)len[i], reg[i]->cuda_dev) != FMC_OK)
                 rc = -1;
@@ -561,6 +582,14 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
                 unpin(cs, reg[i]);
         if (rc < 0)
             return -1;
+        for (int i = 0; i < n; i++) {
+            if (reg[i] && refused[i]) {
+                refuse_protected(cs, addr[i], len[i]);
+                cs->vec_status[i] = FMC_ERR_REMOTE_REFUSED;
+                ok_bytes -= len[i];
+                failed = 1;
+            }
+        }
         cs->served_in += ok_bytes;
         queue_vector_answer(cs, q->id, n, failed, 0, 0);
     } else {
@@ -671,10 +700,15 @@ static void serve(fmc_conn_state *cs)
                     break;
                 rc = 1; /* answered when its copy lands */
             } else if (r) {
-                rc = fmc_reader_read_into(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
+                rc = fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
                 unpin(cs, r);
                 if (rc == 0)
                     cs->served_in += q.len;
+                if (rc == FMC_READ_REFUSED) {
+                    refuse_protected(cs, q.addr, q.len);
+                    r = NULL; /* answered as refused */
+                    rc = 0;
+                }
             } else {
                 refuse(cs, &q);
                 rc = fmc_reader_skip(&cs->rd, (size_t)q.len);

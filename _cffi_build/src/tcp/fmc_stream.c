@@ -318,6 +318,9 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         rc = fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
     else if (rc == 0)
         rc = nzc && fmc_zc_enabled(st->peer->engine) ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
+    if (rc == -1 && errno == EFAULT) /* the stream dies with the slices it carried, as for any send error */
+        fmc_engine_log(st->peer->engine, "a write to %s:%d failed: the kernel refused to read its source (its "
+                       "protection changed after registration?); stream closed", st->peer->host, st->peer->data_port);
     pthread_mutex_lock(&st->mu);
     /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
      * set, so the pointers are still valid; the ones already answered are ours to finish. */
@@ -437,6 +440,16 @@ static void land_pending(fmc_stream *st, gpu_landing *g, fmc_slice_list *done)
     g->s = NULL;
 }
 
+/* A read's destination the kernel refused to write (the caller's buffer was made read-only or
+ * unmapped after registration): its payload was dropped, the slice fails, the stream goes on. */
+static void local_refused(fmc_stream *st, fmc_slice *s)
+{
+    s->answer_status = FMC_ERR_INVALID_ARGUMENT;
+    fmc_engine_log(st->peer->engine, "a read of %llu bytes into 0x%llx failed: the kernel refused to write the "
+                   "local buffer (its protection changed after registration?)",
+                   (unsigned long long)s->len, (unsigned long long)s->local);
+}
+
 /* A read's payload: straight into host memory, or into a staging buffer whose copy to the GPU
  * then runs while the next payload arrives (the previous pending one is landed first).  A
  * payload into host memory lands the pending one first, so `done` keeps answer order. */
@@ -444,7 +457,12 @@ static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_lan
 {
     if (s->local_dev < 0) {
         land_pending(st, g, done);
-        return fmc_reader_read_into(rd, (void *)(uintptr_t)s->local, (size_t)s->len);
+        int rc = fmc_reader_read_region(rd, (void *)(uintptr_t)s->local, (size_t)s->len);
+        if (rc == FMC_READ_REFUSED) {
+            local_refused(st, s);
+            return 0;
+        }
+        return rc;
     }
     int use2 = g->s && !g->in_stage2;
     fmc_staging *stage = use2 ? &st->recv_stage2 : &st->recv_stage;
@@ -471,11 +489,13 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
         expect = (uint64_t)k * 4;
     }
     struct iovec iov[FMC_VEC_MAX];
+    fmc_slice *into[FMC_VEC_MAX];
     int n = 0, j = 0;
     for (fmc_slice *x = st->receiving.head; x; x = x->next, j++) {
         int32_t status = a->status == FMC_OK ? FMC_OK : (int32_t)fmc_get32(rd->buf + rd->start + 4 * (size_t)j);
         x->answer_status = remote_status(status);
         if (is_read && status == FMC_OK) {
+            into[n] = x;
             iov[n++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = (size_t)x->len};
             expect += x->len;
         }
@@ -484,7 +504,13 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
         rd->start += (size_t)k * 4;
     if (a->len != expect)
         return -1;
-    return n ? fmc_reader_read_iov(rd, iov, n) : 0;
+    uint8_t refused[FMC_VEC_MAX];
+    if (n && fmc_reader_read_regions(rd, iov, n, refused) < 0)
+        return -1;
+    for (int i = 0; i < n; i++)
+        if (refused[i])
+            local_refused(st, into[i]);
+    return 0;
 }
 
 /* A zero-copy answer's bytes were copied out of the target's pages just now; a target that
