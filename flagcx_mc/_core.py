@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from . import errors
 from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare
@@ -66,7 +67,7 @@ def as_u64(value: object, what: str) -> int:
     return number
 
 
-def as_u64_list(values: object, what: str) -> List[int]:
+def as_u64_list(values: object, what: str) -> list[int]:
     """A list or tuple of unsigned 64-bit ints (``as_u64`` for each); a string, a scalar or any
     other iterable is an ``InvalidArgumentError``."""
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, range)):
@@ -87,7 +88,7 @@ class CoreEngine:
     """One engine of the C core: its registry and its data listener."""
 
     def __init__(self, bind_host: str, port_min: int = 0, port_max: int = 0,
-                 config: Optional["EngineConfig"] = None) -> None:
+                 config: EngineConfig | None = None) -> None:
         """``config`` carries the core's per-engine settings; without one, the environment's
         (``EngineConfig.from_env()``)."""
         if config is None:
@@ -127,7 +128,7 @@ class CoreEngine:
         addr = as_u64(addr, "address")
         _raise_for(lib.fmc_unregister(self._ptr, addr))
 
-    def region_table(self) -> List[Tuple[int, int, int]]:
+    def region_table(self) -> list[tuple[int, int, int]]:
         """The registered regions as (addr, length, key), in registration order."""
         cap = 64
         while True:
@@ -139,7 +140,7 @@ class CoreEngine:
                 return [(int(addrs[i]), int(lens[i]), int(keys[i])) for i in range(n)]
             cap = n * 2
 
-    def region_slots(self) -> List[Tuple[int, int]]:
+    def region_slots(self) -> list[tuple[int, int]]:
         """(same-host slot, generation) of each region, in ``region_table`` order (slot -1: none)."""
         cap = 64
         while True:
@@ -150,7 +151,7 @@ class CoreEngine:
                 return [(int(slots[i]), int(gens[i])) for i in range(n)]
             cap = n * 2
 
-    def gpu_share(self, addr: int) -> Optional[GpuShare]:
+    def gpu_share(self, addr: int) -> GpuShare | None:
         """How same-host peers can map the registered region at ``addr``; None for host memory.
 
         A legacy CUDA IPC handle where the memory has one, else its VMM chunks as file
@@ -190,7 +191,7 @@ class CoreEngine:
         lib.fmc_engine_get_stats(self._ptr, s)
         return {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
 
-    def drain_log(self) -> List[str]:
+    def drain_log(self) -> list[str]:
         """Messages the C threads left (refused requests, dropped connections)."""
         buf = ffi.new("char[]", 8192)
         n = lib.fmc_engine_drain_log(self._ptr, buf, 8192)
@@ -226,14 +227,14 @@ class CorePeer:
         self.host = host
         self.data_port = data_port
 
-    def set_regions(self, regions: Sequence[Tuple[int, int, int]]) -> None:
+    def set_regions(self, regions: Sequence[tuple[int, int, int]]) -> None:
         n = len(regions)
         addrs = ffi.new("uint64_t[]", [r[0] for r in regions] or [0])
         lens = ffi.new("uint64_t[]", [r[1] for r in regions] or [0])
         keys = ffi.new("uint32_t[]", [r[2] for r in regions] or [0])
         _raise_for(lib.fmc_peer_set_regions(self._ptr, addrs, lens, keys, n))
 
-    def find_region(self, addr: int, length: int) -> Tuple[int, int]:
+    def find_region(self, addr: int, length: int) -> tuple[int, int]:
         """Return (region base, key) of the remote region that wholly holds the range."""
         base = ffi.new("uint64_t *")
         key = ffi.new("uint32_t *")
@@ -248,7 +249,7 @@ class CorePeer:
         """Speak Mooncake's TCP framing (``PROTO_MOONCAKE``) instead of ours; before ``connect``."""
         _raise_for(lib.fmc_peer_set_protocol(self._ptr, proto))
 
-    def set_region_slots(self, regions: Sequence[Tuple[int, int, int]]) -> None:
+    def set_region_slots(self, regions: Sequence[tuple[int, int, int]]) -> None:
         """(addr, slot, gen) of remote regions, for the same-host path."""
         n = len(regions)
         addrs = ffi.new("uint64_t[]", [r[0] for r in regions] or [0])
@@ -295,7 +296,7 @@ class CorePeer:
     def healthy(self) -> bool:
         return bool(lib.fmc_peer_is_healthy(self._ptr))
 
-    def transfer_packed(self, opcode: int, n: int, packed: bytes, timeout_ms: int) -> Tuple[int, str]:
+    def transfer_packed(self, opcode: int, n: int, packed: bytes, timeout_ms: int) -> tuple[int, str]:
         """Submit and wait in one core call (GIL released); returns (rc, reason).  The three
         lists come as one pack3 buffer: no cffi views to build."""
         rc = lib.fmc_transfer_packed(self._ptr, opcode, n, packed, timeout_ms)
@@ -306,12 +307,12 @@ class CorePeer:
         the caller keeps alive for as long as the peer)."""
         lib.fmc_peer_set_call_stats(self._ptr, stats)
 
-    def transfer_one(self, opcode: int, local: int, remote: int, length: int, timeout_ms: int) -> Tuple[int, str]:
+    def transfer_one(self, opcode: int, local: int, remote: int, length: int, timeout_ms: int) -> tuple[int, str]:
         """One range, as plain ints (checked by the caller): no arrays to build."""
         rc = lib.fmc_transfer_one(self._ptr, opcode, local, remote, length, timeout_ms)
         return rc, (last_error() if rc < 0 else "")
 
-    def submit(self, opcode: int, n: int, local, remote, lens) -> "CoreBatch":
+    def submit(self, opcode: int, n: int, local, remote, lens) -> CoreBatch:
         out = ffi.new("fmc_batch **")
         _raise_for(lib.fmc_batch_submit(self._ptr, opcode, n, local, remote, lens, out))
         return CoreBatch(out[0], n, (local, remote, lens))
@@ -328,7 +329,7 @@ class CoreBatch:
         self.ntasks = ntasks
         self._keepalive = keepalive  # the C arrays must outlive submission
 
-    def wait(self, timeout_ms: int) -> Tuple[int, str]:
+    def wait(self, timeout_ms: int) -> tuple[int, str]:
         rc = lib.fmc_batch_wait(self._ptr, int(timeout_ms))
         return rc, (last_error() if rc < 0 else "")
 

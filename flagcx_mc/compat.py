@@ -24,7 +24,7 @@ import importlib.util
 import runpy
 import sys
 import types
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 from . import names
 from .engine.sync_engine import TransferEngine
@@ -54,7 +54,7 @@ def mooncake_engine_module() -> types.ModuleType:
 class _StandInLoader(importlib.abc.Loader):
     """Creates the stand-in ``mooncake.engine``, or an empty ``mooncake`` package."""
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return None  # the default module, with spec, loader and __path__ set by importlib
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -72,15 +72,15 @@ class _MooncakeEngineFinder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._loader = _StandInLoader()
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
-                  target: Optional[types.ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == _ENGINE:
             return importlib.machinery.ModuleSpec(_ENGINE, self._loader, origin="flagcx_mc.compat")
         if fullname == _PACKAGE and self._real_package_spec() is None:
             return importlib.machinery.ModuleSpec(_PACKAGE, self._loader, origin="flagcx_mc.compat", is_package=True)
         return None
 
-    def _real_package_spec(self) -> Optional[importlib.machinery.ModuleSpec]:
+    def _real_package_spec(self) -> importlib.machinery.ModuleSpec | None:
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -90,7 +90,7 @@ class _MooncakeEngineFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-def _installed_finder() -> Optional[_MooncakeEngineFinder]:
+def _installed_finder() -> _MooncakeEngineFinder | None:
     return next((f for f in sys.meta_path if isinstance(f, _MooncakeEngineFinder)), None)
 
 
@@ -128,7 +128,7 @@ def uninstall_mooncake_alias() -> None:
         del package.engine
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(__doc__, file=sys.stderr)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Optional, Tuple
 
 from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
@@ -26,7 +25,7 @@ __all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_l
 log = logging.getLogger(__name__)
 
 
-def _env_number(name: str, kind=float) -> Optional[float]:
+def _env_number(name: str, kind=float) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
@@ -37,7 +36,7 @@ def _env_number(name: str, kind=float) -> Optional[float]:
         return None
 
 
-def _env_clamped(name: str, low: int, high: int) -> Optional[int]:
+def _env_clamped(name: str, low: int, high: int) -> int | None:
     """An integer variable brought into [low, high], as the core always read these."""
     value = _env_number(name, int)
     return None if value is None else min(high, max(low, value))
@@ -66,7 +65,7 @@ def _port_from_env(primary: str, legacy: str, default: int) -> int:
     return default
 
 
-def rpc_port_range() -> Tuple[int, int]:
+def rpc_port_range() -> tuple[int, int]:
     """The inclusive range random handshake ports are drawn from, as Mooncake reads it.
 
     ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` (each falling back to the legacy
@@ -108,7 +107,7 @@ def handshake_max_length() -> int:
     return min(max(value, MIN_MAX_LENGTH), MAX_MAX_LENGTH)
 
 
-def _env_flag(name: str) -> Optional[bool]:
+def _env_flag(name: str) -> bool | None:
     """A switch: ``0`` (or anything starting with it), ``false``, ``no`` or ``off`` turns it off,
     any other value on; ``None`` when unset or empty."""
     raw = os.environ.get(name)
@@ -139,7 +138,7 @@ def prefault_mode(value: object) -> str:
     return mode
 
 
-def _env_prefault(name: str) -> Optional[str]:
+def _env_prefault(name: str) -> str | None:
     """``prefault_mode`` of a variable; ``None`` when unset, empty or not a mode (warned)."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -155,7 +154,7 @@ _CC_DIR = "/proc/sys/net/ipv4"
 LOCAL_CC_DEFAULT = "reno"  # what the core uses within this host when FLAGCX_MC_LOCAL_CC is unset
 
 
-def _kernel_tcp_setting(name: str) -> Optional[str]:
+def _kernel_tcp_setting(name: str) -> str | None:
     """A /proc/sys/net/ipv4 value, or None where there is none (not Linux, no procfs)."""
     try:
         with open(os.path.join(_CC_DIR, name)) as f:
@@ -164,17 +163,17 @@ def _kernel_tcp_setting(name: str) -> Optional[str]:
         return None
 
 
-def host_congestion_control() -> Optional[str]:
+def host_congestion_control() -> str | None:
     """The host's default TCP congestion control (what connections to other hosts use)."""
     return _kernel_tcp_setting("tcp_congestion_control")
 
 
-def local_congestion_control() -> Optional[str]:
+def local_congestion_control() -> str | None:
     """The congestion control the core asks for on connections within this host."""
     return os.environ.get("FLAGCX_MC_LOCAL_CC", LOCAL_CC_DEFAULT) or host_congestion_control()
 
 
-def check_local_congestion_control(name: Optional[str] = None) -> Optional[str]:
+def check_local_congestion_control(name: str | None = None) -> str | None:
     """Why FLAGCX_MC_LOCAL_CC (or the congestion control `name`) cannot take effect, or None.
 
     The core sets it on each connection within this host and ignores a refusal (the connection
@@ -221,12 +220,12 @@ class EngineConfig:
     streams_per_peer: int = dataclasses.field(default_factory=default_streams)  # data connections per peer
     slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
     wait_threads: int = 64               # executor threads that wait for completions (async API)
-    secret: Optional[bytes] = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)
+    secret: bytes | None = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)
     transport: str = "auto"              # auto: same-host copies where possible, else TCP; or tcp / same-host
-    rpc_port_range: Tuple[int, int] = DEFAULT_RPC_PORT_RANGE  # handshake ports drawn from (inclusive)
-    data_port_range: Optional[Tuple[int, int]] = None  # the data listener's; None: rpc_port_range, as Mooncake
+    rpc_port_range: tuple[int, int] = DEFAULT_RPC_PORT_RANGE  # handshake ports drawn from (inclusive)
+    data_port_range: tuple[int, int] | None = None  # the data listener's; None: rpc_port_range, as Mooncake
     handshake_max_length: int = DEFAULT_MAX_LENGTH  # largest handshake frame sent or accepted, bytes
-    advertise_host: Optional[str] = None  # host peers reach us at with a metadata server (MC_TCP_BIND_ADDRESS)
+    advertise_host: str | None = None  # host peers reach us at with a metadata server (MC_TCP_BIND_ADDRESS)
     accept_mooncake_wire: bool = True    # serve initiators speaking Mooncake's TCP framing (no authentication)
     # Settings of the C core, per engine (fmc_options):
     local_cc: str = LOCAL_CC_DEFAULT     # congestion control within this host; "" keeps the host's default
@@ -240,7 +239,7 @@ class EngineConfig:
         object.__setattr__(self, "prefault", prefault_mode(self.prefault))  # True/False/1/0 accepted too
 
     @classmethod
-    def from_env(cls, **overrides) -> "EngineConfig":
+    def from_env(cls, **overrides) -> EngineConfig:
         values: dict = dict(
             transfer_timeout=mooncake_transfer_timeout(),
             rpc_port_range=rpc_port_range(),

@@ -9,8 +9,6 @@ from it, and only the sync facade turns exceptions back into codes (``exc.code``
 
 from __future__ import annotations
 
-from typing import Dict, Type
-
 __all__ = [
     "FlagcxMcError",
     "UnknownCoreError",
@@ -198,7 +196,7 @@ class NotSupportedError(FlagcxMcError, NotImplementedError):
 
 # One canonical class per code (subclasses that share a code, such as EngineStateError or
 # RemoteProtocolError, are raised explicitly where they apply).
-CODE_TO_ERROR: Dict[int, Type[FlagcxMcError]] = {
+CODE_TO_ERROR: dict[int, type[FlagcxMcError]] = {
     cls.code: cls
     for cls in (
         InvalidArgumentError,

@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping
 
 import orjson
 
@@ -28,7 +28,7 @@ WINDOW_MS = 60_000
 _UNAUTHENTICATED = frozenset({MessageType.PROBE})
 
 
-def secret_from_env(value: Optional[str]) -> Optional[bytes]:
+def secret_from_env(value: str | None) -> bytes | None:
     return value.encode() if value else None
 
 
@@ -38,7 +38,7 @@ def _mac(secret: bytes, label: str, mtype: int, nonce: str, extra: str, payload:
     return hmac.new(secret, head + body, hashlib.sha256).hexdigest()
 
 
-def sign_request(secret: bytes, mtype: int, payload: dict) -> Tuple[dict, str]:
+def sign_request(secret: bytes, mtype: int, payload: dict) -> tuple[dict, str]:
     """Return the payload with its proof, and the nonce the reply must be bound to."""
     nonce = secrets.token_hex(16)
     ts = str(int(time.time() * 1000))
@@ -51,7 +51,7 @@ class RequestVerifier:
 
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
-        self._seen: Dict[str, float] = {}
+        self._seen: dict[str, float] = {}
 
     def verify(self, mtype: int, payload: Mapping) -> str:
         proof = payload.get(AUTH_KEY)
@@ -85,7 +85,7 @@ def verify_reply(secret: bytes, mtype: int, nonce: str, payload: Mapping) -> dic
     return {k: v for k, v in payload.items() if k != AUTH_KEY}
 
 
-async def authed_request(secret: Optional[bytes], host: str, port: int, mtype: MessageType, payload: dict,
+async def authed_request(secret: bytes | None, host: str, port: int, mtype: MessageType, payload: dict,
                          *, timeout: float, max_length: int = DEFAULT_MAX_LENGTH) -> dict:
     """``handshake.request`` with proofs both ways when a secret is set."""
     if secret is None or mtype in _UNAUTHENTICATED:
@@ -95,7 +95,7 @@ async def authed_request(secret: Optional[bytes], host: str, port: int, mtype: M
     return verify_reply(secret, mtype, nonce, reply)
 
 
-def guard_handlers(handlers: Mapping[MessageType, Handler], secret: Optional[bytes]) -> Dict[MessageType, Handler]:
+def guard_handlers(handlers: Mapping[MessageType, Handler], secret: bytes | None) -> dict[MessageType, Handler]:
     """Wrap handshake handlers so that, with a secret, only proven requests reach them."""
     if secret is None:
         return dict(handlers)

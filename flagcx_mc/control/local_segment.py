@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Deque, Dict
+from collections import deque
+from collections.abc import Callable
 
 from .. import errors
 from .._core import CoreEngine
@@ -33,8 +34,8 @@ def _whole_region(mapping, length: int):
 class LocalSegment:
     """Builds the segment descriptor from the core's registry; serves Metadata/Probe/Notify."""
 
-    def __init__(self, core: CoreEngine, notifies: Deque[TransferNotify],
-                 shared_mappings: Callable[[], Dict[int, tuple]] = dict) -> None:
+    def __init__(self, core: CoreEngine, notifies: deque[TransferNotify],
+                 shared_mappings: Callable[[], dict[int, tuple]] = dict) -> None:
         self._core = core
         self._shared_mappings = shared_mappings  # managed memory same-host peers may map
         self._notifies = notifies
@@ -79,7 +80,7 @@ class LocalSegment:
     def desc_json(self) -> dict:
         return self.desc().to_json_dict()
 
-    def handlers(self) -> Dict[MessageType, Handler]:
+    def handlers(self) -> dict[MessageType, Handler]:
         return {
             MessageType.METADATA: self._on_metadata,
             MessageType.PROBE: self._on_probe,

@@ -8,7 +8,8 @@ live under Mooncake's keys (``mooncake/ram/<name>``, ``mooncake/rpc_meta/<name>`
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Protocol, Tuple
+from collections.abc import Callable
+from typing import Protocol
 
 from .. import errors
 from ..metadata.descriptor import SegmentDesc
@@ -23,7 +24,7 @@ __all__ = ["Resolver", "P2PResolver", "StoreResolver"]
 
 log = logging.getLogger(__name__)
 
-Resolved = Tuple[str, int, SegmentDesc]
+Resolved = tuple[str, int, SegmentDesc]
 
 
 class Resolver(Protocol):
@@ -33,7 +34,7 @@ class Resolver(Protocol):
 class P2PResolver:
     """Ask the peer: a Metadata round trip on its rpc port (our descriptor goes with it)."""
 
-    def __init__(self, local_desc: Callable[[], dict], timeout: float, secret: Optional[bytes] = None,
+    def __init__(self, local_desc: Callable[[], dict], timeout: float, secret: bytes | None = None,
                  max_length: int = DEFAULT_MAX_LENGTH) -> None:
         self._local_desc = local_desc
         self._timeout = timeout

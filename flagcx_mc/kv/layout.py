@@ -20,8 +20,9 @@ Nothing here imports torch or numpy: tensors are read by duck typing (``data_ptr
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple
 
 from ..errors import InvalidArgumentError
 
@@ -128,7 +129,7 @@ class Plane:
     block_len: int
     num_blocks: int
     stride: int = 0
-    span: Optional[Tuple[int, int]] = None
+    span: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _uint(self.base, "plane base")
@@ -154,13 +155,13 @@ class Plane:
     def block_addr(self, block: int) -> int:
         return self.base + block * self.stride
 
-    def to_list(self) -> List[int]:
+    def to_list(self) -> list[int]:
         """``[base, block_len, num_blocks, stride, span_addr, span_nbytes]`` (the wire form)."""
         assert self.span is not None
         return [self.base, self.block_len, self.num_blocks, self.stride, self.span[0], self.span[1]]
 
     @classmethod
-    def from_list(cls, items: Sequence[int]) -> "Plane":
+    def from_list(cls, items: Sequence[int]) -> Plane:
         if not isinstance(items, (list, tuple)) or len(items) != 6:
             raise LayoutError("a plane is [base, block_len, num_blocks, stride, span_addr, span_nbytes]")
         base, block_len, num_blocks, stride, span_addr, span_len = items
@@ -171,7 +172,7 @@ class Plane:
 class KVLayout:
     """The planes of one worker, one tuple per group of planes that share block ids."""
 
-    groups: Tuple[Tuple[Plane, ...], ...] = field(default_factory=tuple)
+    groups: tuple[tuple[Plane, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         groups = tuple(tuple(g) for g in self.groups)
@@ -181,15 +182,15 @@ class KVLayout:
         object.__setattr__(self, "groups", groups)
 
     @classmethod
-    def single(cls, planes: Sequence[Plane]) -> "KVLayout":
+    def single(cls, planes: Sequence[Plane]) -> KVLayout:
         """A layout of one group (every layer shares the same block ids)."""
         return cls((tuple(planes),))
 
     @property
-    def planes(self) -> Tuple[Plane, ...]:
+    def planes(self) -> tuple[Plane, ...]:
         return tuple(p for g in self.groups for p in g)
 
-    def spans(self) -> Tuple[List[int], List[int]]:
+    def spans(self) -> tuple[list[int], list[int]]:
         """The distinct buffers to register, as ``(addresses, lengths)`` for ``batch_register_memory``.
 
         Raises:
@@ -201,11 +202,11 @@ class KVLayout:
                 raise LayoutError(f"spans [{a0:#x}, +{n0}) and [{a1:#x}, ...) overlap")
         return [a for a, _ in unique], [n for _, n in unique]
 
-    def to_list(self) -> List[List[List[int]]]:
+    def to_list(self) -> list[list[list[int]]]:
         return [[p.to_list() for p in g] for g in self.groups]
 
     @classmethod
-    def from_list(cls, groups: Sequence[Sequence[Sequence[int]]]) -> "KVLayout":
+    def from_list(cls, groups: Sequence[Sequence[Sequence[int]]]) -> KVLayout:
         if not isinstance(groups, (list, tuple)):
             raise LayoutError("a layout is a list of groups")
         out = []
@@ -216,7 +217,7 @@ class KVLayout:
         return cls(tuple(out))
 
 
-def planes_of(cache: Any, num_blocks: int, kind: str = KV_BLOCKS) -> List[Plane]:
+def planes_of(cache: Any, num_blocks: int, kind: str = KV_BLOCKS) -> list[Plane]:
     """The planes of one cache tensor (numpy array, torch tensor, ``HostBuffer``, ``(addr, nbytes)``).
 
     Args:
@@ -314,7 +315,7 @@ class HeadSplit:
         """Bytes of one plane block on a rank of a group of ``tp_size``."""
         return len(self.heads(tp_size, 0)) * self.block_size * self.head_bytes
 
-    def sources(self, src_tp: int, dst_tp: int, dst_rank: int) -> List[Tuple[int, range]]:
+    def sources(self, src_tp: int, dst_tp: int, dst_rank: int) -> list[tuple[int, range]]:
         """Which source ranks send which heads to destination rank ``dst_rank``.
 
         Every head the destination holds comes from exactly one source rank; among replicas, the
@@ -327,7 +328,7 @@ class HeadSplit:
         for r in range(src_tp):
             for h in self.heads(src_tp, r):
                 holders.setdefault(h, []).append(r)
-        out: List[Tuple[int, range]] = []
+        out: list[tuple[int, range]] = []
         for h in self.heads(dst_tp, dst_rank):
             rank = holders[h][dst_rank % len(holders[h])]
             if out and out[-1][0] == rank and out[-1][1].stop == h:
@@ -336,7 +337,7 @@ class HeadSplit:
                 out.append((rank, range(h, h + 1)))
         return out
 
-    def share(self, src: Tuple[int, int], dst: Tuple[int, int]) -> range:
+    def share(self, src: tuple[int, int], dst: tuple[int, int]) -> range:
         """The heads source rank ``src`` = (size, rank) sends to destination rank ``dst`` (empty if none)."""
         src, dst = _tp(src, "source tp"), _tp(dst, "destination tp")
         for rank, heads in self.sources(src.size, dst.size, dst.rank):
@@ -344,7 +345,7 @@ class HeadSplit:
                 return heads
         return range(0)
 
-    def chunks(self, src: Tuple[int, int], dst: Tuple[int, int], heads: range) -> List[Tuple[int, int, int]]:
+    def chunks(self, src: tuple[int, int], dst: tuple[int, int], heads: range) -> list[tuple[int, int, int]]:
         """``(src_offset, dst_offset, length)`` of ``heads`` inside one block on each side."""
         src, dst = _tp(src, "source tp"), _tp(dst, "destination tp")
         mine, theirs = self.heads(*src), self.heads(*dst)
@@ -366,27 +367,27 @@ class HeadSplit:
 class Triplets:
     """Parallel lists of source addresses, destination addresses and lengths."""
 
-    src: List[int] = field(default_factory=list)
-    dst: List[int] = field(default_factory=list)
-    lengths: List[int] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def __iter__(self) -> Iterator[Tuple[int, int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
         return iter(zip(self.src, self.dst, self.lengths))
 
     @property
     def nbytes(self) -> int:
         return sum(self.lengths)
 
-    def extend(self, other: "Triplets") -> None:
+    def extend(self, other: Triplets) -> None:
         self.src.extend(other.src)
         self.dst.extend(other.dst)
         self.lengths.extend(other.lengths)
 
 
-def _ids(blocks: Any, what: str) -> List[int]:
+def _ids(blocks: Any, what: str) -> list[int]:
     if hasattr(blocks, "tolist"):  # numpy arrays and torch tensors
         blocks = blocks.tolist()
     if not isinstance(blocks, (list, tuple, range)):
@@ -397,7 +398,7 @@ def _ids(blocks: Any, what: str) -> List[int]:
     return list(blocks)
 
 
-def group_contiguous(src_blocks: Any, dst_blocks: Any) -> List[Tuple[int, int, int]]:
+def group_contiguous(src_blocks: Any, dst_blocks: Any) -> list[tuple[int, int, int]]:
     """Split paired block-id lists into maximal runs contiguous on both sides.
 
     Returns:
@@ -409,7 +410,7 @@ def group_contiguous(src_blocks: Any, dst_blocks: Any) -> List[Tuple[int, int, i
     src, dst = _ids(src_blocks, "source blocks"), _ids(dst_blocks, "destination blocks")
     if len(src) != len(dst):
         raise LayoutError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-    runs: List[Tuple[int, int, int]] = []
+    runs: list[tuple[int, int, int]] = []
     s0 = d0 = n = 0
     for s, d in zip(src, dst):
         if n and s == s0 + n and d == d0 + n:
@@ -423,7 +424,7 @@ def group_contiguous(src_blocks: Any, dst_blocks: Any) -> List[Tuple[int, int, i
     return runs
 
 
-def _check_range(plane: Plane, runs: List[Tuple[int, int, int]], side: int, what: str) -> None:
+def _check_range(plane: Plane, runs: list[tuple[int, int, int]], side: int, what: str) -> None:
     for run in runs:
         if run[side] + run[2] > plane.num_blocks:
             raise LayoutError(f"{what} block {run[side] + run[2] - 1} is beyond the plane's {plane.num_blocks} blocks")
@@ -435,9 +436,9 @@ def plan_group(
     src_blocks: Any,
     dst_blocks: Any,
     *,
-    split: Optional[HeadSplit] = None,
-    src_tp: Tuple[int, int] = (1, 0),
-    dst_tp: Tuple[int, int] = (1, 0),
+    split: HeadSplit | None = None,
+    src_tp: tuple[int, int] = (1, 0),
+    dst_tp: tuple[int, int] = (1, 0),
 ) -> Triplets:
     """The fewest triplets that copy one request's blocks of one group from source to destination.
 
@@ -453,11 +454,11 @@ def plan_group(
     return _merge(_pieces(src_planes, dst_planes, src_blocks, dst_blocks, split, src_tp, dst_tp))
 
 
-_Piece = Tuple[int, int, int, Any, Any]  # src, dst, length, source span, destination span
+_Piece = tuple[int, int, int, Any, Any]  # src, dst, length, source span, destination span
 
 
 def _pieces(src_planes: Sequence[Plane], dst_planes: Sequence[Plane], src_blocks: Any, dst_blocks: Any,
-            split: Optional[HeadSplit], src_tp: Tuple[int, int], dst_tp: Tuple[int, int]) -> List[_Piece]:
+            split: HeadSplit | None, src_tp: tuple[int, int], dst_tp: tuple[int, int]) -> list[_Piece]:
     if len(src_planes) != len(dst_planes):
         raise LayoutError(f"{len(src_planes)} source planes but {len(dst_planes)} destination planes")
     runs = group_contiguous(src_blocks, dst_blocks)
@@ -474,7 +475,7 @@ def _pieces(src_planes: Sequence[Plane], dst_planes: Sequence[Plane], src_blocks
         if not heads:
             return []
         chunks = split.chunks(src, dst, heads)
-    raw: List[_Piece] = []
+    raw: list[_Piece] = []
     for sp, dp in zip(src_planes, dst_planes):
         if split is not None:
             for plane, tp, side in ((sp, src, "source"), (dp, dst, "destination")):
@@ -502,7 +503,7 @@ def _pieces(src_planes: Sequence[Plane], dst_planes: Sequence[Plane], src_blocks
     return raw
 
 
-def _merge(raw: List[_Piece]) -> Triplets:
+def _merge(raw: list[_Piece]) -> Triplets:
     # Destination ranges never overlap (a destination block is named once), so once sorted by
     # destination address two triplets that can merge are neighbours.
     raw.sort(key=lambda t: t[1])
@@ -526,9 +527,9 @@ def plan(
     src_blocks: Sequence[Any],
     dst_blocks: Sequence[Any],
     *,
-    split: Optional[HeadSplit] = None,
-    src_tp: Tuple[int, int] = (1, 0),
-    dst_tp: Tuple[int, int] = (1, 0),
+    split: HeadSplit | None = None,
+    src_tp: tuple[int, int] = (1, 0),
+    dst_tp: tuple[int, int] = (1, 0),
 ) -> Triplets:
     """``plan_group`` over every group: ``src_blocks[g]`` and ``dst_blocks[g]`` are group ``g``'s ids.
 
@@ -543,7 +544,7 @@ def plan(
         raise LayoutError(f"{len(src.groups)} source groups but {len(dst.groups)} destination groups")
     if len(src_blocks) != len(src.groups) or len(dst_blocks) != len(dst.groups):
         raise LayoutError(f"need one block-id list per group ({len(src.groups)})")
-    raw: List[_Piece] = []
+    raw: list[_Piece] = []
     for sp, dp, sb, db in zip(src.groups, dst.groups, src_blocks, dst_blocks):
         sb, db = _ids(sb, "source blocks"), _ids(db, "destination blocks")
         if len(db) > len(sb):

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Union
 
 import orjson
 
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 VERSION = 1
-SUPPORTED_VERSIONS: Tuple[int, ...] = (1,)
+SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
 MAX_MESSAGE_BYTES = 64 << 20
 
 _MAX_ID = 128
@@ -80,7 +81,7 @@ _U64 = 1 << 64
 class MessageError(ValueError):
     """Bytes that are not a valid message; ``msg_id`` is the message's id when it could be read."""
 
-    def __init__(self, reason: str, msg_id: Optional[str] = None) -> None:
+    def __init__(self, reason: str, msg_id: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.msg_id = msg_id
@@ -111,7 +112,7 @@ class WorkerKey:
     pp: int
     tp: int
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {"instance": self.instance, "dp": self.dp, "pp": self.pp, "tp": self.tp}
 
 
@@ -120,7 +121,7 @@ class ReqBlocks:
     """One request of an ``xfer``: its id and the decode block ids of each group."""
 
     rid: str
-    blocks: Tuple[Tuple[int, ...], ...]
+    blocks: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Xfer:
     session: str
     tp: TPRank
     layout: KVLayout
-    reqs: Tuple[ReqBlocks, ...]
+    reqs: tuple[ReqBlocks, ...]
     ttl_ms: int
     type = "xfer"
 
@@ -157,7 +158,7 @@ class Ping:
 @dataclass(frozen=True)
 class Pong:
     msg_id: str
-    worker: Optional[WorkerKey]
+    worker: WorkerKey | None
     session: str = ""
     type = "pong"
 
@@ -166,9 +167,9 @@ class Pong:
 class ErrorReply:
     """The message ``msg_id`` (None if unreadable) was refused as a whole."""
 
-    msg_id: Optional[str]
+    msg_id: str | None
     reason: str
-    supported: Tuple[int, ...] = SUPPORTED_VERSIONS
+    supported: tuple[int, ...] = SUPPORTED_VERSIONS
     type = "error"
 
 
@@ -196,7 +197,7 @@ class Lookup:
 @dataclass(frozen=True)
 class Workers:
     msg_id: str
-    workers: Tuple[Tuple[WorkerKey, str], ...]
+    workers: tuple[tuple[WorkerKey, str], ...]
     type = "workers"
 
 
@@ -206,7 +207,7 @@ Message = Union[Xfer, Result, Ping, Pong, ErrorReply, Register, Ack, Lookup, Wor
 # ---------------------------------------------------------------------------------- encode
 
 
-def _body(msg: Message) -> Dict[str, Any]:
+def _body(msg: Message) -> dict[str, Any]:
     if isinstance(msg, Xfer):
         return {"session": msg.session, "tp": list(msg.tp), "layout": msg.layout.to_list(),
                 "reqs": [{"rid": r.rid, "blocks": [list(g) for g in r.blocks]} for r in msg.reqs],
@@ -239,13 +240,13 @@ def encode(msg: Message, version: int = VERSION) -> bytes:
 class _Fields:
     """Typed access to one JSON object; every failure is a MessageError naming the field."""
 
-    def __init__(self, obj: Dict[str, Any], where: str, msg_id: Optional[str]) -> None:
+    def __init__(self, obj: dict[str, Any], where: str, msg_id: str | None) -> None:
         self.obj, self.where, self.msg_id = obj, where, msg_id
 
     def fail(self, reason: str) -> MessageError:
         return MessageError(f"{self.where}: {reason}", self.msg_id)
 
-    def get(self, name: str, kind: Type, *, optional: bool = False, default: Any = None) -> Any:
+    def get(self, name: str, kind: type, *, optional: bool = False, default: Any = None) -> Any:
         if name not in self.obj:
             if optional:
                 return default
@@ -272,7 +273,7 @@ class _Fields:
             raise self.fail(f"{name!r} = {value} is outside {low}..{high}")
         return value
 
-    def sub(self, name: str, value: Any) -> "_Fields":
+    def sub(self, name: str, value: Any) -> _Fields:
         if not isinstance(value, dict):
             raise self.fail(f"{name!r} must be an object")
         return _Fields(value, f"{self.where}.{name}", self.msg_id)
@@ -284,7 +285,7 @@ def _worker(f: _Fields, value: Any, name: str = "worker") -> WorkerKey:
                      w.uint("tp", high=1 << 20))
 
 
-def _block_lists(f: _Fields, value: Any, budget: List[int]) -> Tuple[Tuple[int, ...], ...]:
+def _block_lists(f: _Fields, value: Any, budget: list[int]) -> tuple[tuple[int, ...], ...]:
     if not isinstance(value, list) or len(value) > _MAX_GROUPS:
         raise f.fail(f"'blocks' must be a list of at most {_MAX_GROUPS} lists")
     groups = []
@@ -343,7 +344,7 @@ def _pong(f: _Fields, msg_id: str) -> Pong:
     return Pong(msg_id, _worker(f, worker) if worker is not None else None, f.text("session", limit=512, optional=True))
 
 
-def _error(f: _Fields, msg_id: Optional[str]) -> ErrorReply:
+def _error(f: _Fields, msg_id: str | None) -> ErrorReply:
     supported = f.get("supported", list, optional=True, default=[])
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in supported) or len(supported) > 64:
         raise f.fail("'supported' must be a list of versions")
@@ -361,7 +362,7 @@ def _workers(f: _Fields, msg_id: str) -> Workers:
     return Workers(msg_id, tuple(out))
 
 
-_PARSERS: Dict[str, Callable[[_Fields, str], Message]] = {
+_PARSERS: dict[str, Callable[[_Fields, str], Message]] = {
     "xfer": _xfer,
     "result": _result,
     "ping": lambda f, i: Ping(i),
@@ -373,7 +374,7 @@ _PARSERS: Dict[str, Callable[[_Fields, str], Message]] = {
 }
 
 
-def decode(data: Union[bytes, bytearray, memoryview]) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> Message:
     """Parse and validate one message.
 
     Raises:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -83,7 +83,7 @@ def fixed_port(base: int, dp: int, pp: int, tp: int, *, pp_size: int, tp_size: i
     return port
 
 
-def check_disjoint(ranges: Sequence[Tuple[int, int]]) -> None:
+def check_disjoint(ranges: Sequence[tuple[int, int]]) -> None:
     """Check that fixed-port ranges ``(base, span)`` of instances sharing a host do not overlap.
 
     Raises:
@@ -95,14 +95,14 @@ def check_disjoint(ranges: Sequence[Tuple[int, int]]) -> None:
             raise InvalidArgumentError(f"ports {b0}..{b0 + n0 - 1} and {b1}..{b1 + n1 - 1} overlap")
 
 
-def tcp_endpoint(host: str, port: Union[int, str]) -> str:
+def tcp_endpoint(host: str, port: int | str) -> str:
     """``tcp://host:port`` with IPv6 literals bracketed."""
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
 
 
-def bind_free(sock: zmq.Socket, host: str = "127.0.0.1", advertise: Optional[str] = None) -> str:
+def bind_free(sock: zmq.Socket, host: str = "127.0.0.1", advertise: str | None = None) -> str:
     """Bind ``sock`` to a port the kernel picks on ``host``; return the endpoint peers should dial.
 
     Args:
@@ -118,8 +118,8 @@ def bind_free(sock: zmq.Socket, host: str = "127.0.0.1", advertise: Optional[str
     return tcp_endpoint((advertise or bare).strip("[]"), port)
 
 
-def bound_router(ctx: zmq.asyncio.Context, host: str, advertise: Optional[str], max_message: int,
-                 configure: Callable[[zmq.Socket], None] = lambda sock: None) -> Tuple[zmq.asyncio.Socket, str]:
+def bound_router(ctx: zmq.asyncio.Context, host: str, advertise: str | None, max_message: int,
+                 configure: Callable[[zmq.Socket], None] = lambda sock: None) -> tuple[zmq.asyncio.Socket, str]:
     """A ROUTER socket (linger 0, messages capped at ``max_message`` bytes, then ``configure``)
     bound to a free port on ``host``, and the endpoint to publish; closed again if any step fails."""
     sock = ctx.socket(zmq.ROUTER)
@@ -140,22 +140,22 @@ class BootstrapRegistry:
     already held by another key is refused, since two live workers cannot share one.
     """
 
-    def __init__(self, *, context: Optional[zmq.asyncio.Context] = None) -> None:
+    def __init__(self, *, context: zmq.asyncio.Context | None = None) -> None:
         self._own_context = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._sock: Optional[zmq.asyncio.Socket] = None
-        self._task: Optional[asyncio.Task] = None
-        self._table: Dict[WorkerKey, str] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._table: dict[WorkerKey, str] = {}
         self.endpoint = ""
 
-    async def start(self, host: str = "127.0.0.1", advertise: Optional[str] = None) -> str:
+    async def start(self, host: str = "127.0.0.1", advertise: str | None = None) -> str:
         """Bind to a free port on ``host`` and serve; returns the registry's endpoint."""
         self._sock, self.endpoint = bound_router(self._ctx, host, advertise, 1 << 20)
         self._task = asyncio.get_running_loop().create_task(self._serve())
         return self.endpoint
 
     @property
-    def table(self) -> Dict[WorkerKey, str]:
+    def table(self) -> dict[WorkerKey, str]:
         return dict(self._table)
 
     async def _serve(self) -> None:
@@ -196,7 +196,7 @@ class BootstrapRegistry:
         if self._own_context:
             self._ctx.destroy(0)
 
-    async def __aenter__(self) -> "BootstrapRegistry":
+    async def __aenter__(self) -> BootstrapRegistry:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -206,7 +206,7 @@ class BootstrapRegistry:
 class _Client:
     """One DEALER socket to a registry, for one caller's sequence of requests."""
 
-    def __init__(self, registry: str, context: Optional[zmq.asyncio.Context]) -> None:
+    def __init__(self, registry: str, context: zmq.asyncio.Context | None) -> None:
         self._own_context = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -240,7 +240,7 @@ class _Client:
 
 
 async def register_worker(registry: str, worker: WorkerKey, endpoint: str, *, timeout: float = 10.0,
-                          context: Optional[zmq.asyncio.Context] = None) -> None:
+                          context: zmq.asyncio.Context | None = None) -> None:
     """Publish ``worker``'s listener ``endpoint`` in the registry at ``registry``.
 
     Raises:
@@ -256,7 +256,7 @@ async def register_worker(registry: str, worker: WorkerKey, endpoint: str, *, ti
 
 
 async def lookup_workers(registry: str, instance: str, *, expect: int = 0, timeout: float = 10.0,
-                         context: Optional[zmq.asyncio.Context] = None) -> Dict[WorkerKey, str]:
+                         context: zmq.asyncio.Context | None = None) -> dict[WorkerKey, str]:
     """The endpoints ``instance``'s workers registered, waiting until at least ``expect`` are there.
 
     Raises:
@@ -265,7 +265,7 @@ async def lookup_workers(registry: str, instance: str, *, expect: int = 0, timeo
     client = _Client(registry, context)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    table: Optional[Dict[WorkerKey, str]] = None
+    table: dict[WorkerKey, str] | None = None
 
     def too_few() -> RegistryError:
         return RegistryError(f"{len(table or {})} of {expect} workers of {instance!r} registered within {timeout} s")

@@ -35,9 +35,10 @@ import asyncio
 import enum
 import inspect
 import logging
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -116,7 +117,7 @@ def _tune(sock: zmq.Socket, heartbeat: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
 
 
-def _groups(layout: KVLayout, blocks: BlockIds, rid: str) -> Tuple[Tuple[int, ...], ...]:
+def _groups(layout: KVLayout, blocks: BlockIds, rid: str) -> tuple[tuple[int, ...], ...]:
     if len(blocks) != len(layout.groups):
         raise LayoutError(f"request {rid!r}: {len(blocks)} block lists for {len(layout.groups)} layout groups")
     out = []
@@ -167,10 +168,10 @@ class _Writer:
 
 @dataclass
 class _Published:
-    blocks: Tuple[Tuple[int, ...], ...]
+    blocks: tuple[tuple[int, ...], ...]
     claims_left: int
     future: asyncio.Future
-    timer: Optional[asyncio.TimerHandle] = None
+    timer: asyncio.TimerHandle | None = None
     in_flight: int = 0
     all_ok: bool = True
 
@@ -196,10 +197,10 @@ class KVSender:
         context: a ``zmq.asyncio.Context`` to share; by default the sender owns one.
     """
 
-    def __init__(self, engine: Any, layout: KVLayout, *, tp: Tuple[int, int] = (1, 0),
-                 split: Optional[HeadSplit] = None, worker: Optional[WorkerKey] = None, session: str = "",
+    def __init__(self, engine: Any, layout: KVLayout, *, tp: tuple[int, int] = (1, 0),
+                 split: HeadSplit | None = None, worker: WorkerKey | None = None, session: str = "",
                  max_concurrent: int = 8, max_ttl: float = 600.0, heartbeat: float = DEFAULT_HEARTBEAT,
-                 context: Optional[zmq.asyncio.Context] = None) -> None:
+                 context: zmq.asyncio.Context | None = None) -> None:
         if max_concurrent < 1 or not max_ttl > 0:
             raise SideChannelError("max_concurrent and max_ttl must be positive")
         self._max_ttl = max_ttl
@@ -213,18 +214,18 @@ class KVSender:
         self._slots = asyncio.Semaphore(max_concurrent)
         self._own_context = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._sock: Optional[zmq.asyncio.Socket] = None
-        self._serve_task: Optional[asyncio.Task] = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._serve_task: asyncio.Task | None = None
         self._tasks: set = set()
-        self._published: Dict[str, _Published] = {}
-        self._waiting: Dict[str, List[asyncio.Future]] = {}
+        self._published: dict[str, _Published] = {}
+        self._waiting: dict[str, list[asyncio.Future]] = {}
         self._closed = False
         self.endpoint = ""
         self.stats = {"messages": 0, "refused": 0, "done": 0, "failed": 0, "bytes": 0, "triplets": 0}
 
     # -------------------------------------------------------------- lifecycle
 
-    async def start(self, host: str = "127.0.0.1", advertise: Optional[str] = None) -> str:
+    async def start(self, host: str = "127.0.0.1", advertise: str | None = None) -> str:
         """Bind the listener to a free port on ``host``; returns the endpoint decode dials."""
         if self._sock is not None or self._closed:
             raise SideChannelError("sender already started" if self._sock else "sender closed")
@@ -260,7 +261,7 @@ class KVSender:
         if self._own_context:
             await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
 
-    async def __aenter__(self) -> "KVSender":
+    async def __aenter__(self) -> KVSender:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -389,7 +390,7 @@ class KVSender:
 
     async def _serve_request(self, ident: bytes, msg: Xfer, req: ReqBlocks, deadline: float) -> None:
         loop = asyncio.get_running_loop()
-        entry: Optional[_Published] = None
+        entry: _Published | None = None
         ok, reason, nbytes = False, "", 0
         try:
             entry = await self._claim(req.rid, deadline)
@@ -426,9 +427,9 @@ class KVSender:
 
 @dataclass
 class _Pending:
-    futures: Dict[str, asyncio.Future]
+    futures: dict[str, asyncio.Future]
     sent: float
-    timer: Optional[asyncio.TimerHandle] = None
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass
@@ -436,10 +437,10 @@ class _Peer:
     endpoint: str
     sock: zmq.asyncio.Socket
     monitor: zmq.asyncio.Socket
-    pending: Dict[str, _Pending] = field(default_factory=dict)
-    pings: Dict[str, asyncio.Future] = field(default_factory=dict)
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    pings: dict[str, asyncio.Future] = field(default_factory=dict)
     connected: bool = False
-    task: Optional[asyncio.Task] = None
+    task: asyncio.Task | None = None
     closed: bool = False
 
 
@@ -457,9 +458,9 @@ class KVReceiver:
         context: a ``zmq.asyncio.Context`` to share; by default the receiver owns one.
     """
 
-    def __init__(self, session: str, layout: KVLayout, *, tp: Tuple[int, int] = (1, 0), ttl: float = DEFAULT_TTL,
+    def __init__(self, session: str, layout: KVLayout, *, tp: tuple[int, int] = (1, 0), ttl: float = DEFAULT_TTL,
                  grace: float = DEFAULT_GRACE, heartbeat: float = DEFAULT_HEARTBEAT,
-                 context: Optional[zmq.asyncio.Context] = None) -> None:
+                 context: zmq.asyncio.Context | None = None) -> None:
         if not ttl > 0 or not grace >= 0:
             raise SideChannelError("ttl must be positive and grace non-negative")
         self._session = session
@@ -470,7 +471,7 @@ class KVReceiver:
         self._heartbeat = heartbeat
         self._own_context = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._peers: Dict[str, _Peer] = {}
+        self._peers: dict[str, _Peer] = {}
         self._tasks: set = set()
         self._closed = False
 
@@ -481,7 +482,7 @@ class KVReceiver:
 
     # -------------------------------------------------------------- public calls
 
-    async def submit(self, endpoint: str, requests: Mapping[str, BlockIds]) -> Dict[str, "asyncio.Future[Outcome]"]:
+    async def submit(self, endpoint: str, requests: Mapping[str, BlockIds]) -> dict[str, asyncio.Future[Outcome]]:
         """Send one ``xfer`` for ``requests`` (rid -> block ids per group) to one prefill endpoint.
 
         Returns:
@@ -511,7 +512,7 @@ class KVReceiver:
             self._fail(peer, msg.msg_id, Status.DISCONNECTED, f"could not send to {endpoint}: {exc}")
         return futures
 
-    async def fetch(self, endpoints: Union[str, Sequence[str]], requests: Mapping[str, BlockIds]) -> Dict[str, Outcome]:
+    async def fetch(self, endpoints: str | Sequence[str], requests: Mapping[str, BlockIds]) -> dict[str, Outcome]:
         """Ask every endpoint (the prefill ranks that hold this worker's heads) for ``requests``.
 
         Returns:
@@ -522,7 +523,7 @@ class KVReceiver:
         if not endpoints:
             raise SideChannelError("no endpoint to fetch from")
         per_endpoint = [await self.submit(ep, requests) for ep in endpoints]
-        combined: Dict[str, Outcome] = {}
+        combined: dict[str, Outcome] = {}
         for rid in (str(r) for r in requests):
             outcomes = [await futures[rid] for futures in per_endpoint]
             bad = [(ep, o) for ep, o in zip(endpoints, outcomes) if not o.ok]
@@ -567,7 +568,7 @@ class KVReceiver:
         if self._own_context:
             self._ctx.destroy(0)
 
-    async def __aenter__(self) -> "KVReceiver":
+    async def __aenter__(self) -> KVReceiver:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -659,7 +660,7 @@ class KVReceiver:
         else:
             log.warning("side channel: unexpected %r message from %s", msg.type, peer.endpoint)
 
-    def _forget(self, peer: _Peer, msg_id: str) -> Optional[_Pending]:
+    def _forget(self, peer: _Peer, msg_id: str) -> _Pending | None:
         pending = peer.pending.pop(msg_id, None)
         if pending is not None and pending.timer is not None:
             pending.timer.cancel()

@@ -20,7 +20,7 @@ counts as done), as Redis ``DEL`` does.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import InvalidArgumentError
 from .etcd_store import EtcdMetadataStore, split_etcd_url

@@ -12,8 +12,9 @@ from it end up steering remote writes.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import MalformedJsonError
 
@@ -99,7 +100,7 @@ class NativeInfo:
         return out
 
     @classmethod
-    def from_json_dict(cls, d: object) -> "NativeInfo":
+    def from_json_dict(cls, d: object) -> NativeInfo:
         """Validate and decode the ``"flagcx_mc"`` object.
 
         Raises:
@@ -212,7 +213,7 @@ class SegmentDesc:
         return d
 
     @classmethod
-    def from_json_dict(cls, d: object) -> "SegmentDesc":
+    def from_json_dict(cls, d: object) -> SegmentDesc:
         """Validate and decode a descriptor received from a peer.
 
         Unknown keys are ignored (Mooncake RDMA peers add ``devices``, ``rkey``...).

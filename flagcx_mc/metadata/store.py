@@ -47,7 +47,7 @@ class MetadataStore(abc.ABC):
     async def close(self) -> None:
         """Release connections; later calls raise ``EngineStateError``."""
 
-    async def __aenter__(self) -> "MetadataStore":
+    async def __aenter__(self) -> MetadataStore:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
