@@ -189,17 +189,45 @@ async def test_dribbling_peer_cannot_extend_the_frame_deadline():
         assert time.monotonic() - start < 2.0
 
 
-async def test_connections_beyond_limit_closed_immediately():
+async def _served(reader, writer, mtype=MessageType.PROBE, payload=None) -> None:
+    writer.write(encode_message(mtype, payload or {}))
+    await asyncio.wait_for(read_frame(reader), 5)
+
+
+async def test_at_the_cap_a_new_peer_is_served_and_the_idle_connection_gives_way():
+    """Connections that hold a slot without useful work cannot lock new peers out."""
     async with serving(max_connections=2) as server:
         async with raw_conn(server.port) as (r1, w1), raw_conn(server.port) as (r2, w2):
-            for r, w in ((r1, w1), (r2, w2)):  # make sure both are being served
-                w.write(encode_message(MessageType.PROBE, {}))
-                await asyncio.wait_for(read_frame(r), 5)
+            await _served(r1, w1)                                  # only a Probe: no claim to the slot
+            await _served(r2, w2, MessageType.METADATA, {"x": 1})  # a served request
             assert server.connection_count == 2
-            async with raw_conn(server.port) as (r3, _w3):
-                assert await assert_dropped(r3, 3) < 1.0
-        await asyncio.sleep(0.05)
-        assert (await request(HOST, server.port, MessageType.PROBE, {}))["type"] == 3
+            reply = await request(HOST, server.port, MessageType.METADATA, {"new": True})
+            assert reply["echo"] == {"new": True}
+            assert await assert_dropped(r1, 3) < 1.0               # the probing one made room
+            await _served(r2, w2, MessageType.METADATA, {"x": 2})  # the useful one kept its place
+
+
+async def test_many_idle_connections_never_keep_a_new_peer_out():
+    async with serving(max_connections=8) as server:
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(8):
+                await stack.enter_async_context(raw_conn(server.port))
+            await asyncio.sleep(0.05)
+            assert server.connection_count == 8
+            for i in range(5):
+                assert (await request(HOST, server.port, MessageType.METADATA, {"i": i}))["echo"] == {"i": i}
+            assert server.connection_count <= 8
+
+
+async def test_probes_do_not_hold_a_connection_open():
+    """A peer probing every 0.1 s is still closed read_timeout after its last useful request."""
+    async with serving(read_timeout=0.5) as server, raw_conn(server.port) as (reader, writer):
+        start = time.monotonic()
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            while time.monotonic() - start < 3:
+                await _served(reader, writer)
+                await asyncio.sleep(0.1)
+        assert time.monotonic() - start < 1.5
 
 
 async def test_close_drops_live_connections_and_busy_handlers():

@@ -59,7 +59,8 @@ class HandshakeServer:
         handlers: coroutine per message type; each returns the reply payload.
         max_length: frame length cap (``EngineConfig.handshake_max_length``).
         read_timeout: seconds a connection may sit idle or take to deliver one frame.
-        max_connections: concurrent connections beyond which new ones are closed at once.
+        max_connections: connections served at once; at the cap a newcomer takes the slot of the
+            connection with the least claim to it (``BoundedServer._admit``).
     """
 
     def __init__(
@@ -142,8 +143,8 @@ class HandshakeServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         decoder = FrameDecoder(self._max_length)
-        # One deadline per frame (reset after each full frame), so a peer dribbling bytes
-        # cannot keep a connection alive forever.
+        # The connection closes read_timeout after its last useful request (or its start): a
+        # peer dribbling bytes, or sending nothing but Probes, cannot keep it open forever.
         deadline = loop.time() + self._read_timeout
         while True:
             remaining = deadline - loop.time()
@@ -168,31 +169,35 @@ class HandshakeServer:
                 _log.warning("handshake: dropping %s: %s", peer_name(writer), exc)
                 return
             for message in messages:
-                writer.write(await self._reply(message))
+                reply, accepted = await self._reply(message)
+                writer.write(reply)
                 try:
                     await asyncio.wait_for(writer.drain(), self._read_timeout)
                 except (OSError, asyncio.TimeoutError) as exc:
                     _log.info("handshake: cannot reply to %s: %r", peer_name(writer), exc)
                     return
-            if messages:
-                deadline = loop.time() + self._read_timeout
+                if accepted and message.type != MessageType.PROBE:
+                    self._listener.note_useful()
+                    deadline = loop.time() + self._read_timeout
 
-    async def _reply(self, message: Message) -> bytes:
-        """Run the handler and encode its answer; any failure becomes an error reply."""
+    async def _reply(self, message: Message) -> tuple[bytes, bool]:
+        """Run the handler and encode its answer, and whether the request was accepted (an
+        answer without ``"error"``); any failure becomes an error reply."""
         handler = self._handlers.get(message.type)
         if handler is None:
             payload: dict = {"error": f"unsupported message type {int(message.type)}"}
         else:
             try:
                 payload = await handler(message)
-                return encode_message(message.type, payload, max_length=self._max_length)
+                accepted = not payload.get("error")
+                return encode_message(message.type, payload, max_length=self._max_length), accepted
             except Exception as exc:  # noqa: BLE001 - reported to the peer instead
                 _log.exception("handshake: %s handler failed", message.type.name)
                 payload = {"error": str(exc) or type(exc).__name__}
         try:
-            return encode_message(message.type, payload, max_length=self._max_length)
+            return encode_message(message.type, payload, max_length=self._max_length), False
         except LocalProtocolError:
-            return encode_message(message.type, {"error": "reply could not be encoded"})
+            return encode_message(message.type, {"error": "reply could not be encoded"}), False
 
 
 async def request(

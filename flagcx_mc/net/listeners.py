@@ -2,9 +2,9 @@
 
 ``BoundedServer`` binds one listening socket, serves each accepted connection in its own
 task through a handler the server supplies, holds at most ``max_connections`` of them at
-once, logs every peer it refuses or fails on, and on ``close`` cancels every connection task
+once, logs every peer it evicts or fails on, and on ``close`` cancels every connection task
 and waits for it. What a server says on a connection lives in its handler; which
-connections are let in lives in ``BoundedServer._admit``.
+connection gives way when the cap is reached lives in ``BoundedServer._admit``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DnsError, EndpointError, EngineStateError, InvalidArgumentError
@@ -24,6 +25,14 @@ __all__ = ["BoundedServer", "ConnectionHandler", "bind_listener", "close_writer"
 ConnectionHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 _CLOSE_GRACE = 1.0  # bound on waiting for a closed transport to finish
+
+
+@dataclass
+class _Standing:
+    """What a connection has done to deserve its slot."""
+
+    since: float           # loop time it was accepted, or last did something useful
+    useful: bool = False   # a request was served and accepted (not a bare Probe, not refused)
 
 
 def bind_listener(family: int, stype: int, proto: int, addr: tuple[Any, ...], backlog: int) -> socket.socket:
@@ -91,7 +100,7 @@ class BoundedServer:
         self._server: asyncio.AbstractServer | None = None
         self._sock: socket.socket | None = None
         self._port: int | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
+        self._conns: dict[asyncio.Task[Any], _Standing] = {}
         self._closed = False
 
     @property
@@ -180,13 +189,32 @@ class BoundedServer:
         if server is not None:
             await server.wait_closed()
 
-    def _admit(self, writer: asyncio.StreamWriter) -> bool:
-        """The connection-cap policy: whether a newly accepted connection is served.
+    def note_useful(self) -> None:
+        """Called by a handler, on its connection's task, when a request was served and accepted:
+        the connection then outranks connections that only hold their slot."""
+        task = asyncio.current_task()
+        standing = self._conns.get(task) if task is not None else None
+        if standing is not None:
+            standing.useful = True
+            standing.since = asyncio.get_running_loop().time()
 
-        A connection is served while fewer than ``max_connections`` are; beyond that the
-        newcomer is refused and the connections already open keep their place.
+    def _admit(self, writer: asyncio.StreamWriter) -> bool:
+        """The connection-cap policy: a new peer is always served.
+
+        Below ``max_connections`` it simply joins.  At the cap the connection with the least
+        claim to its slot is closed to make room: one that never had a request accepted
+        (idle, unauthenticated, or only probing) before one that did, and among equals the
+        one whose last useful request is oldest.  Holding a slot therefore takes useful work,
+        and no set of connections can keep newcomers out.
         """
-        return len(self._conns) < self._max_connections
+        if len(self._conns) < self._max_connections:
+            return True
+        victim, standing = min(self._conns.items(), key=lambda item: (item[1].useful, item[1].since))
+        self._log.warning("%s: %d connections open; closing the %s one to serve %s", self._name, len(self._conns),
+                          "least recently useful" if standing.useful else "idle", peer_name(writer))
+        del self._conns[victim]
+        victim.cancel()
+        return True
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -196,7 +224,7 @@ class BoundedServer:
             writer.transport.abort()
             writer.close()
             return
-        self._conns.add(task)
+        self._conns[task] = _Standing(asyncio.get_running_loop().time())
         try:
             await self._handler(reader, writer)
         except asyncio.CancelledError:
@@ -204,5 +232,5 @@ class BoundedServer:
         except Exception:  # noqa: BLE001 - one peer's failure never reaches the loop
             self._log.exception("%s: connection from %s failed", self._name, peer_name(writer))
         finally:
-            self._conns.discard(task)
+            self._conns.pop(task, None)
             await close_writer(writer)
