@@ -210,3 +210,47 @@ def test_async_engine_dropped_after_its_loop_ended(frozen_target):
         assert buf.read(0, 4096) == b"\x66" * 4096
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait_for"])
+async def test_cancelled_async_transfer_touches_no_buffer_after_it_returns(frozen_target, how):
+    """A cancelled transfer gives a timed-out one's guarantee: once the coroutine has finished,
+    no source byte is read and no destination byte lands."""
+    from flagcx_mc import AsyncTransferEngine
+
+    node = frozen_target
+    buf = HostBuffer(2 * BIG)
+    try:
+        async with AsyncTransferEngine(transfer_timeout=TIMEOUT) as eng:
+            await eng.initialize("127.0.0.1")
+            await eng.register_memory(buf.addr, buf.size)
+            await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)  # session open
+            await asyncio.to_thread(node.call, "set", region=0, byte=0x00)
+            buf.fill(0x11, 0, BIG)
+            buf.fill(0x00, BIG, BIG)
+            await asyncio.to_thread(node.freeze)
+            try:
+                write = asyncio.ensure_future(eng.transfer_sync_write(node.session, buf.addr, node.addr(0), BIG))
+                read = asyncio.ensure_future(eng.transfer_sync_read(node.session, buf.addr + BIG, node.addr(0), BIG))
+                await asyncio.sleep(0.3)
+                assert not write.done() and not read.done()
+                if how == "cancel":
+                    write.cancel()
+                    read.cancel()
+                    for task in (write, read):
+                        with pytest.raises(asyncio.CancelledError):
+                            await task
+                else:
+                    for task in (write, read):
+                        with pytest.raises(asyncio.TimeoutError):
+                            await asyncio.wait_for(task, 0.01)
+                # The calls are over: rewrite both buffers, then let the target run again.
+                buf.fill(0x22, 0, BIG)
+                buf.fill(0x44, BIG, BIG)
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            await asyncio.sleep(0.5)
+            assert (await asyncio.to_thread(node.call, "count_byte", region=0, byte=0x22))["count"] == 0
+            assert buf.read(BIG, BIG).count(0x44) == BIG
+    finally:
+        buf.close()

@@ -323,7 +323,8 @@ class AsyncTransferEngine:
             except errors.FlagcxMcError as exc:
                 first = first or exc
                 continue
-            rc, why = await self._in_executor(pending.batch.wait, pending.remaining_ms())
+            rc, why = await self._state.run_blocking(pending.batch.wait, pending.remaining_ms(),
+                                                     on_cancel=pending.batch.cancel)
             self._state.batches.discard(batch_id)
             if rc != 0 and first is None:
                 first = errors.error_for_code(rc, f"batch {batch_id} to {pending.target} failed: {why}")

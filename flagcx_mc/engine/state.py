@@ -236,9 +236,23 @@ class EngineState:
         return {**core.stats(), "session": self.session_name, "rpc_port": self.rpc_port, "data_port": core.data_port,
                 **self.metrics.snapshot()}
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], Any] | None = None) -> T:
+        """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop.
+
+        A blocking call cannot be abandoned half-way: if the awaiting task is cancelled (a
+        ``task.cancel()``, an ``asyncio.wait_for`` timeout), ``on_cancel`` (if given) asks the
+        core to stop it sooner, the call is still waited for (its own deadline bounds it), and
+        only then does ``CancelledError`` propagate.  So a cancelled transfer, like a timed-out
+        one, returns only once nothing more will touch either side's buffers."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                await _finish(loop.run_in_executor(self._executor, on_cancel))
+            await _finish(future)
+            raise
 
     # ------------------------------------------------------------------ transfers
 
@@ -301,6 +315,17 @@ class EngineState:
                 return
             for line in self._core.drain_log():
                 log.warning("%s: %s", self.session_name, line)
+
+
+async def _finish(future: asyncio.Future) -> None:
+    """Wait for ``future`` to end whatever it returns or raises, even through further cancels."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            continue
+    if not future.cancelled():
+        future.exception()  # retrieved: its outcome belongs to the cancelled call
 
 
 _BACKGROUND_STOPS: set = set()  # strong references: a task nobody holds may be collected mid-way
