@@ -60,6 +60,12 @@ const char *fmc_version(void);
 const char *fmc_last_error(void);
 int fmc_data_header_size(void);
 int fmc_cuda_usable(void);
+/* GPUs by identity (16-byte UUIDs, as cuDeviceGetUuid gives them), and the devices this process
+ * holds a primary context on (count; fills up to cap ordinals and UUIDs). */
+int fmc_cuda_device_uuid(int ordinal, uint8_t *uuid16);
+int fmc_cuda_device_by_uuid(const uint8_t *uuid16);
+int fmc_cuda_resolve_peer_device(const uint8_t *uuid16, int peer_ordinal);
+int fmc_cuda_contexts(int32_t *ordinals, uint8_t *uuids16, int cap);
 
 /* One engine's settings (flagcx_mc.config.EngineConfig fills them); fmc_options_default gives
  * the core's defaults, which a NULL options pointer also means. */

@@ -156,16 +156,16 @@ int fmc_cuda_wait(int device);
 /* Queue n copies (arrays are rewritten: contiguous neighbours merge), as one batch call where the
  * driver has one; then fmc_cuda_wait. */
 int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device);
-void *fmc_staging_alloc(size_t len, int *pinned);
-void fmc_staging_free(void *p, int pinned);
 
 /* A growable host buffer through which GPU bytes cross the network. */
 typedef struct {
     uint8_t *buf;
     size_t cap;
     int pinned;
+    int device; /* the GPU it was allocated for (pinned under that device's context) */
 } fmc_staging;
-int fmc_staging_reserve(fmc_staging *s, size_t len);
+/* At least `len` bytes, for copies of GPU `device`. */
+int fmc_staging_reserve(fmc_staging *s, size_t len, int device);
 void fmc_staging_release(fmc_staging *s);
 
 /* ------------------------------------------------------ same host (samehost/fmc_samehost.c) */

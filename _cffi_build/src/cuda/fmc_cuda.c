@@ -5,7 +5,15 @@
  * The data plane never hands device pointers to the kernel: TCP stages GPU bytes through host
  * buffers (cuMemcpy with unified addressing picks the direction), and the same-host path maps
  * the peer's GPU memory here (a CUDA IPC handle, or VMM chunks passed as file descriptors) and
- * copies device to device. */
+ * copies device to device.
+ *
+ * Contexts: the process creates or retains a primary context only on a device whose memory it
+ * registers or copies (asking what a pointer is needs none), so a host-only process holds no
+ * context and a worker of GPU 5 holds one on GPU 5 alone.  Across processes a GPU is named by
+ * its UUID: ordinals depend on each process's CUDA_VISIBLE_DEVICES.
+ *
+ * FLAGCX_MC_LIBCUDA names the driver library to load instead of libcuda.so.1 (a driver in an
+ * unusual place, or the test suite's fake driver). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -40,6 +48,8 @@ typedef struct {
 #define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
+#define CU_MEMHOSTALLOC_PORTABLE 0x01
+#define CUDA_ERROR_INVALID_CONTEXT 201
 #define FMC_CUDA_MAX_DEVICES 64
 
 static struct {
@@ -48,10 +58,13 @@ static struct {
     CUresult (*init)(unsigned int);
     CUresult (*pointer_get_attribute)(void *, int, CUdeviceptr);
     CUresult (*device_get)(CUdevice *, int);
+    CUresult (*device_get_count)(int *);
+    CUresult (*device_get_uuid)(uint8_t *, CUdevice); /* CUuuid: 16 bytes */
     CUresult (*primary_ctx_retain)(CUcontext *, CUdevice);
+    CUresult (*primary_ctx_get_state)(CUdevice, unsigned int *, int *); /* optional */
     CUresult (*ctx_set_current)(CUcontext);
     CUresult (*mem_get_address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
-    CUresult (*mem_alloc_host)(void **, size_t);
+    CUresult (*mem_host_alloc)(void **, size_t, unsigned int);
     CUresult (*mem_free_host)(void *);
     CUresult (*ipc_get_mem_handle)(void *, CUdeviceptr);
     CUresult (*ipc_open_mem_handle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
@@ -83,8 +96,9 @@ static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static int load(void)
 {
-    const char *names[] = {"libcuda.so.1", "libcuda.so"};
-    for (size_t i = 0; i < 2 && !cu.lib; i++)
+    const char *chosen = getenv("FLAGCX_MC_LIBCUDA");
+    const char *names[] = {chosen && *chosen ? chosen : "libcuda.so.1", "libcuda.so"};
+    for (size_t i = 0; i < (chosen && *chosen ? 1u : 2u) && !cu.lib; i++)
         cu.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
     if (!cu.lib)
         return -1;
@@ -97,10 +111,11 @@ static int load(void)
     SYM(init, "cuInit");
     SYM(pointer_get_attribute, "cuPointerGetAttribute");
     SYM(device_get, "cuDeviceGet");
+    SYM(device_get_count, "cuDeviceGetCount");
     SYM(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
     SYM(ctx_set_current, "cuCtxSetCurrent");
     SYM(mem_get_address_range, "cuMemGetAddressRange_v2");
-    SYM(mem_alloc_host, "cuMemAllocHost_v2");
+    SYM(mem_host_alloc, "cuMemHostAlloc");
     SYM(mem_free_host, "cuMemFreeHost");
     SYM(ipc_get_mem_handle, "cuIpcGetMemHandle");
     SYM(ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
@@ -109,6 +124,13 @@ static int load(void)
     SYM(memcpy_async, "cuMemcpyAsync");
     SYM(stream_synchronize, "cuStreamSynchronize");
 #undef SYM
+    /* _v2 (CUDA 11.4+) names a MIG instance by its own UUID; the first form names the GPU. */
+    *(void **)&cu.device_get_uuid = dlsym(cu.lib, "cuDeviceGetUuid_v2");
+    if (!cu.device_get_uuid)
+        *(void **)&cu.device_get_uuid = dlsym(cu.lib, "cuDeviceGetUuid");
+    if (!cu.device_get_uuid)
+        return -1;
+    *(void **)&cu.primary_ctx_get_state = dlsym(cu.lib, "cuDevicePrimaryCtxGetState");
     *(void **)&cu.batch_v2 = dlsym(cu.lib, "cuMemcpyBatchAsync_v2");
     if (!cu.batch_v2)
         *(void **)&cu.batch_v1 = dlsym(cu.lib, "cuMemcpyBatchAsync");
@@ -155,14 +177,15 @@ static int use_device(int device)
 
 int fmc_cuda_use_device(int device) { return fmc_cuda_available() && use_device(device) == 0 ? 0 : -1; }
 
+static CUresult pointer_attribute(void *out, int attr, uint64_t addr);
+
 /* Ordinal of the GPU whose memory holds `addr`, or -1 (host memory, unmapped, no CUDA). */
 static int device_memory_ordinal(uint64_t addr)
 {
     unsigned int type = 0;
     int ordinal = -1;
-    if (cu.pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)addr) != 0 ||
-        type != CU_MEMORYTYPE_DEVICE ||
-        cu.pointer_get_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, (CUdeviceptr)addr) != 0)
+    if (pointer_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr) != 0 || type != CU_MEMORYTYPE_DEVICE ||
+        pointer_attribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr) != 0)
         return -1;
     return ordinal;
 }
@@ -205,20 +228,98 @@ static void set_range_error(uint64_t addr, uint64_t len)
                   (unsigned long long)len);
 }
 
+/* The pointer attribute `attr` of `addr`, asked without a context of our own.  A driver that
+ * wants a current context for it (CUDA_ERROR_INVALID_CONTEXT) is asked again under a primary
+ * context that is already active: device memory implies one exists (the allocator's), so no new
+ * context is ever made just to ask; none active means `addr` cannot be device memory. */
+static CUresult pointer_attribute(void *out, int attr, uint64_t addr)
+{
+    CUresult r = cu.pointer_get_attribute(out, attr, (CUdeviceptr)addr);
+    if (r != CUDA_ERROR_INVALID_CONTEXT || !cu.primary_ctx_get_state)
+        return r;
+    int count = 0;
+    if (cu.device_get_count(&count) != 0)
+        return r;
+    for (int d = 0; d < count && d < FMC_CUDA_MAX_DEVICES; d++) {
+        CUdevice dev;
+        unsigned int flags = 0;
+        int active = 0;
+        if (cu.device_get(&dev, d) == 0 && cu.primary_ctx_get_state(dev, &flags, &active) == 0 && active &&
+            use_device(d) == 0)
+            return cu.pointer_get_attribute(out, attr, (CUdeviceptr)addr);
+    }
+    return r;
+}
+
 int fmc_cuda_device_of(uint64_t addr, uint64_t len, int *device)
 {
     *device = -1;
-    if (!fmc_cuda_available() || use_device(0) != 0)
+    if (!fmc_cuda_available())
         return 0;
     int ordinal = device_memory_ordinal(addr);
     if (ordinal < 0)
-        return 0;
+        return 0; /* host memory: no context anywhere */
     if (use_device(ordinal) != 0 || walk_chunks(addr, len, ordinal, NULL, NULL) < 0) {
         set_range_error(addr, len);
         return -1;
     }
     *device = ordinal;
     return 1;
+}
+
+/* ------------------------------------------------------------------ devices by identity */
+
+int fmc_cuda_device_uuid(int ordinal, uint8_t *uuid16)
+{
+    CUdevice dev;
+    if (!fmc_cuda_available() || ordinal < 0 || cu.device_get(&dev, ordinal) != 0 ||
+        cu.device_get_uuid(uuid16, dev) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    return FMC_OK;
+}
+
+int fmc_cuda_device_by_uuid(const uint8_t *uuid16)
+{
+    int count = 0;
+    if (!fmc_cuda_available() || cu.device_get_count(&count) != 0)
+        return -1;
+    for (int d = 0; d < count; d++) {
+        uint8_t u[16];
+        if (fmc_cuda_device_uuid(d, u) == FMC_OK && memcmp(u, uuid16, sizeof u) == 0)
+            return d;
+    }
+    return -1;
+}
+
+int fmc_cuda_resolve_peer_device(const uint8_t *uuid16, int peer_ordinal)
+{
+    if (!fmc_cuda_available())
+        return -1;
+    if (uuid16)
+        return fmc_cuda_device_by_uuid(uuid16);
+    int count = 0; /* a peer that names its GPU by ordinal only: trust that both see the same GPUs */
+    return cu.device_get_count(&count) == 0 && peer_ordinal >= 0 && peer_ordinal < count ? peer_ordinal : -1;
+}
+
+int fmc_cuda_contexts(int32_t *ordinals, uint8_t *uuids16, int cap)
+{
+    int n = 0;
+    if (!fmc_cuda_available())
+        return 0;
+    for (int d = 0; d < FMC_CUDA_MAX_DEVICES; d++) {
+        pthread_mutex_lock(&cu_mu);
+        int held = cu.ctx[d] != NULL;
+        pthread_mutex_unlock(&cu_mu);
+        if (!held)
+            continue;
+        if (n < cap) {
+            ordinals[n] = d;
+            if (fmc_cuda_device_uuid(d, uuids16 + 16 * (size_t)n) != FMC_OK)
+                memset(uuids16 + 16 * (size_t)n, 0, 16);
+        }
+        n++;
+    }
+    return n;
 }
 
 /* Copies go on our own non-blocking stream, one per device; waiting synchronises just that
@@ -300,13 +401,15 @@ int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
     return rc != FMC_OK ? rc : wait;
 }
 
-/* Host staging memory: pinned when CUDA is there (faster copies), plain otherwise. */
-void *fmc_staging_alloc(size_t len, int *pinned)
+/* Host staging memory for `device`'s copies: pinned when CUDA is there (faster copies), under
+ * that device's context (never another's) and portable, so that a buffer reused for another
+ * device's copies stays pinned for it; plain memory otherwise. */
+static void *staging_alloc(size_t len, int device, int *pinned)
 {
     *pinned = 0;
-    if (fmc_cuda_available() && use_device(0) == 0) {
+    if (device >= 0 && fmc_cuda_available() && use_device(device) == 0) {
         void *p = NULL;
-        if (cu.mem_alloc_host(&p, len) == 0) {
+        if (cu.mem_host_alloc(&p, len, CU_MEMHOSTALLOC_PORTABLE) == 0) {
             *pinned = 1;
             return p;
         }
@@ -314,31 +417,34 @@ void *fmc_staging_alloc(size_t len, int *pinned)
     return malloc(len);
 }
 
-void fmc_staging_free(void *p, int pinned)
+static void staging_free(void *p, int pinned, int device)
 {
     if (!p)
         return;
-    if (pinned)
+    if (pinned) {
+        use_device(device); /* retained when the buffer was made: no new context */
         cu.mem_free_host(p);
-    else
+    } else {
         free(p);
+    }
 }
 
 int fmc_cuda_usable(void) { return fmc_cuda_available(); }
 
-int fmc_staging_reserve(fmc_staging *s, size_t len)
+int fmc_staging_reserve(fmc_staging *s, size_t len, int device)
 {
     if (s->cap >= len)
         return 0;
-    fmc_staging_free(s->buf, s->pinned);
-    s->buf = fmc_staging_alloc(len, &s->pinned);
+    staging_free(s->buf, s->pinned, s->device);
+    s->buf = staging_alloc(len, device, &s->pinned);
+    s->device = device;
     s->cap = s->buf ? len : 0;
     return s->buf ? 0 : -1;
 }
 
 void fmc_staging_release(fmc_staging *s)
 {
-    fmc_staging_free(s->buf, s->pinned);
+    staging_free(s->buf, s->pinned, s->device);
     s->buf = NULL;
     s->cap = 0;
 }

@@ -292,7 +292,7 @@ static int receive_into_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint
     launch_open(cs);
     int use2 = cs->gpu_flying.n && !cs->gpu_flying.in_stage2;
     st = use2 ? &cs->stage2 : &cs->stage;
-    if (fmc_staging_reserve(st, len > FMC_GPU_RUN_BYTES ? (size_t)len : FMC_GPU_RUN_BYTES) != 0 ||
+    if (fmc_staging_reserve(st, len > FMC_GPU_RUN_BYTES ? (size_t)len : FMC_GPU_RUN_BYTES, r->cuda_dev) != 0 ||
         fmc_reader_read_into(&cs->rd, st->buf, (size_t)len) < 0) {
         unpin(cs, r);
         return -1;
@@ -519,7 +519,7 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
         return -1;
     uint64_t addr[FMC_VEC_MAX], len[FMC_VEC_MAX], sum = 0, ok_bytes = 0, gpu_bytes = 0;
     fmc_region *reg[FMC_VEC_MAX];
-    int failed = 0;
+    int failed = 0, gpu_dev = -1; /* the first GPU entry's device: the staging buffer is pinned for it */
     const uint8_t *t = cs->rd.buf + cs->rd.start;
     for (int i = 0; i < n; i++, t += FMC_VEC_ENTRY_SIZE) {
         uint32_t key = fmc_get32(t);
@@ -538,8 +538,11 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
             continue;
         }
         ok_bytes += len[i];
-        if (reg[i]->cuda_dev >= 0)
+        if (reg[i]->cuda_dev >= 0) {
             gpu_bytes += len[i];
+            if (gpu_dev < 0)
+                gpu_dev = reg[i]->cuda_dev;
+        }
     }
     int parsed = (int)((t - (cs->rd.buf + cs->rd.start)) / FMC_VEC_ENTRY_SIZE);
     cs->rd.start += (size_t)n * FMC_VEC_ENTRY_SIZE;
@@ -572,7 +575,7 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
                 rc = fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)addr[i], (size_t)len[i]);
                 refused[i] = rc == FMC_READ_REFUSED;
                 rc = rc < 0 ? -1 : 0;
-            } else if (fmc_staging_reserve(&cs->stage, (size_t)len[i]) != 0 ||
+            } else if (fmc_staging_reserve(&cs->stage, (size_t)len[i], reg[i]->cuda_dev) != 0 ||
                      fmc_reader_read_into(&cs->rd, cs->stage.buf, (size_t)len[i]) < 0 ||
                      fmc_cuda_copy(addr[i], (uint64_t)(uintptr_t)cs->stage.buf, (size_t)len[i], reg[i]->cuda_dev) != FMC_OK)
                 rc = -1;
@@ -597,7 +600,7 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
          * nothing is queued until every source is in place. */
         void *src[FMC_VEC_MAX];
         size_t off = 0;
-        if (gpu_bytes && fmc_staging_reserve(&cs->stage, (size_t)gpu_bytes) != 0)
+        if (gpu_bytes && fmc_staging_reserve(&cs->stage, (size_t)gpu_bytes, gpu_dev) != 0)
             rc = -1;
         for (int i = 0; i < n; i++) {
             src[i] = (void *)(uintptr_t)addr[i];
@@ -719,7 +722,7 @@ static void serve(fmc_conn_state *cs)
                 queue_answer(cs, q.id, r ? FMC_OK : FMC_ERR_REMOTE_REFUSED, NULL, 0);
         } else if (r && r->cuda_dev >= 0) {
             /* A GPU source: stage it, answer now (the staging buffer serves one answer). */
-            if (flush(cs) < 0 || fmc_staging_reserve(&cs->stage, (size_t)q.len) != 0 ||
+            if (flush(cs) < 0 || fmc_staging_reserve(&cs->stage, (size_t)q.len, r->cuda_dev) != 0 ||
                 fmc_cuda_copy((uint64_t)(uintptr_t)cs->stage.buf, q.addr, (size_t)q.len, r->cuda_dev) != FMC_OK) {
                 unpin(cs, r);
                 break;

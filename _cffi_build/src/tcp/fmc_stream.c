@@ -189,12 +189,15 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
 static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
 {
     size_t need = 0;
+    int first_dev = -1;
     for (int i = 0; i < nw; i++)
-        if (sc->writes[i]->local_dev >= 0)
+        if (sc->writes[i]->local_dev >= 0) {
             need += sc->writes[i]->len;
+            first_dev = first_dev < 0 ? sc->writes[i]->local_dev : first_dev;
+        }
     if (!need)
         return 0;
-    if (fmc_staging_reserve(&st->send_stage, need) != 0)
+    if (fmc_staging_reserve(&st->send_stage, need, first_dev) != 0)
         return -1;
     /* Queue every copy of the round (runs of one device as one batch, contiguous sources merged
      * into one copy, since the staging side is contiguous), then wait once per device used. */
@@ -466,7 +469,7 @@ static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_lan
     }
     int use2 = g->s && !g->in_stage2;
     fmc_staging *stage = use2 ? &st->recv_stage2 : &st->recv_stage;
-    if (fmc_staging_reserve(stage, (size_t)s->len) != 0 || fmc_reader_read_into(rd, stage->buf, (size_t)s->len) < 0)
+    if (fmc_staging_reserve(stage, (size_t)s->len, s->local_dev) != 0 || fmc_reader_read_into(rd, stage->buf, (size_t)s->len) < 0)
         return -1;
     land_pending(st, g, done);
     if (fmc_cuda_copy_async(s->local, (uint64_t)(uintptr_t)stage->buf, (size_t)s->len, s->local_dev) != FMC_OK)
