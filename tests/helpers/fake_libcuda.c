@@ -1,0 +1,359 @@
+/* A fake CUDA driver for the CPU machine: the calls the core makes, over host memory, strict where
+ * the real driver's rules decide which device the core touches.  Loaded through FLAGCX_MC_LIBCUDA.
+ *
+ *   FAKE_CUDA_UUIDS  comma-separated 32-hex-digit UUIDs: the devices this process sees, in
+ *                    ordinal order (what CUDA_VISIBLE_DEVICES decides on a real host)
+ *   FAKE_CUDA_IPC_FAIL=1  cuIpcOpenMemHandle refuses every handle (a driver or kernel that will not map)
+ *   FAKE_CUDA_LOG    a file that gets one line per event: "retain <uuid>" (a primary context
+ *                    retained), "pinned <uuid>" (pinned host memory made under that device's
+ *                    context), "nocontext <call>" (a call that needs a current context had none),
+ *                    "wrongdevice <call>" (a stream or mapping used under another device's context)
+ *
+ * Device memory is a shared mapping of a memfd, so that a CUDA IPC handle (pid, fd, size, UUID)
+ * opens in another process through /proc/<pid>/fd; it opens only under a context of the device
+ * with the handle's UUID (the real driver would map it on any device with peer access: the
+ * strictness is what lets a test see which device the core chose).  Pointer queries need no
+ * context, as on the real driver. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MAXDEV 16
+#define MAXALLOC 256
+#define OK 0
+#define E_INVALID_VALUE 1
+#define E_NOT_INITIALIZED 3
+#define E_INVALID_DEVICE 101
+#define E_INVALID_CONTEXT 201
+#define E_INVALID_HANDLE 400
+
+typedef struct {
+    int dev, retained;
+} fake_ctx;
+typedef struct {
+    int dev;
+} fake_stream;
+typedef struct {
+    uint64_t base, size;
+    int dev, fd, opened; /* opened: a peer's memory mapped by cuIpcOpenMemHandle */
+} fake_alloc;
+typedef struct {
+    uint32_t magic;
+    int32_t pid, fd;
+    uint64_t size;
+    uint8_t uuid[16];
+} fake_ipc;
+
+static int ndev = -1;
+static uint8_t uuids[MAXDEV][16];
+static fake_ctx ctxs[MAXDEV];
+static fake_alloc allocs[MAXALLOC];
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static __thread fake_ctx *current;
+
+static void note(const char *fmt, ...)
+{
+    const char *path = getenv("FAKE_CUDA_LOG");
+    FILE *f = path ? fopen(path, "a") : NULL;
+    if (!f)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fputc('\n', f);
+    fclose(f);
+}
+
+static const char *hex(int dev)
+{
+    static __thread char s[33];
+    for (int i = 0; i < 16; i++)
+        sprintf(s + 2 * i, "%02x", uuids[dev][i]);
+    return s;
+}
+
+static int need_ctx(const char *call)
+{
+    if (current)
+        return 1;
+    note("nocontext %s", call);
+    return 0;
+}
+
+int cuInit(unsigned int flags)
+{
+    (void)flags;
+    pthread_mutex_lock(&mu);
+    if (ndev < 0) {
+        ndev = 0;
+        const char *s = getenv("FAKE_CUDA_UUIDS");
+        while (s && *s && ndev < MAXDEV) {
+            for (int i = 0; i < 16; i++) {
+                unsigned v = 0;
+                if (sscanf(s + 2 * i, "%2x", &v) != 1)
+                    v = 0;
+                uuids[ndev][i] = (uint8_t)v;
+            }
+            ctxs[ndev].dev = ndev;
+            ndev++;
+            s = strchr(s, ',');
+            s = s ? s + 1 : NULL;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+int cuDeviceGetCount(int *n)
+{
+    *n = ndev < 0 ? 0 : ndev;
+    return ndev < 0 ? E_NOT_INITIALIZED : OK;
+}
+
+int cuDeviceGet(int *dev, int ordinal)
+{
+    if (ordinal < 0 || ordinal >= ndev)
+        return E_INVALID_DEVICE;
+    *dev = ordinal;
+    return OK;
+}
+
+int cuDeviceGetUuid(uint8_t *uuid, int dev)
+{
+    if (dev < 0 || dev >= ndev)
+        return E_INVALID_DEVICE;
+    memcpy(uuid, uuids[dev], 16);
+    return OK;
+}
+
+int cuDeviceGetUuid_v2(uint8_t *uuid, int dev) { return cuDeviceGetUuid(uuid, dev); }
+
+int cuDevicePrimaryCtxRetain(void **ctx, int dev)
+{
+    if (dev < 0 || dev >= ndev)
+        return E_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    ctxs[dev].retained++;
+    pthread_mutex_unlock(&mu);
+    note("retain %s", hex(dev));
+    *ctx = &ctxs[dev];
+    return OK;
+}
+
+int cuDevicePrimaryCtxGetState(int dev, unsigned int *flags, int *active)
+{
+    if (dev < 0 || dev >= ndev)
+        return E_INVALID_DEVICE;
+    *flags = 0;
+    *active = ctxs[dev].retained > 0;
+    return OK;
+}
+
+int cuCtxSetCurrent(void *ctx)
+{
+    current = ctx;
+    return OK;
+}
+
+static fake_alloc *find(uint64_t p)
+{
+    for (int i = 0; i < MAXALLOC; i++)
+        if (allocs[i].size && p >= allocs[i].base && p < allocs[i].base + allocs[i].size)
+            return &allocs[i];
+    return NULL;
+}
+
+static fake_alloc *add(uint64_t base, uint64_t size, int dev, int fd, int opened)
+{
+    for (int i = 0; i < MAXALLOC; i++)
+        if (!allocs[i].size) {
+            allocs[i] = (fake_alloc){base, size, dev, fd, opened};
+            return &allocs[i];
+        }
+    return NULL;
+}
+
+int cuPointerGetAttribute(void *data, int attr, uint64_t p)
+{
+    pthread_mutex_lock(&mu);
+    fake_alloc *a = find(p);
+    int dev = a ? a->dev : -1;
+    pthread_mutex_unlock(&mu);
+    if (!a)
+        return E_INVALID_VALUE; /* host memory the driver does not know */
+    switch (attr) {
+    case 2: /* memory type */
+        *(unsigned int *)data = 2;
+        return OK;
+    case 9: /* device ordinal */
+        *(int *)data = dev;
+        return OK;
+    case 10: /* legacy IPC capable */
+        *(int *)data = 1;
+        return OK;
+    default:
+        return E_INVALID_VALUE;
+    }
+}
+
+int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p)
+{
+    if (!need_ctx("cuMemGetAddressRange"))
+        return E_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    fake_alloc *a = find(p);
+    if (a) {
+        *base = a->base;
+        *size = a->size;
+    }
+    pthread_mutex_unlock(&mu);
+    return a ? OK : E_INVALID_VALUE;
+}
+
+int cuMemAlloc_v2(uint64_t *p, size_t size)
+{
+    if (!need_ctx("cuMemAlloc"))
+        return E_INVALID_CONTEXT;
+    int fd = memfd_create("fake-gpu", MFD_CLOEXEC);
+    void *m = fd >= 0 && ftruncate(fd, (off_t)size) == 0
+                  ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    if (m == MAP_FAILED) {
+        if (fd >= 0)
+            close(fd);
+        return 2; /* out of memory */
+    }
+    pthread_mutex_lock(&mu);
+    add((uint64_t)(uintptr_t)m, size, current->dev, fd, 0);
+    pthread_mutex_unlock(&mu);
+    *p = (uint64_t)(uintptr_t)m;
+    return OK;
+}
+
+static int drop(uint64_t p, int opened)
+{
+    pthread_mutex_lock(&mu);
+    fake_alloc *a = find(p);
+    fake_alloc gone = a && a->base == p && a->opened == opened ? *a : (fake_alloc){0};
+    if (gone.size)
+        a->size = 0;
+    pthread_mutex_unlock(&mu);
+    if (!gone.size)
+        return E_INVALID_VALUE;
+    munmap((void *)(uintptr_t)gone.base, gone.size);
+    close(gone.fd);
+    return OK;
+}
+
+int cuMemFree_v2(uint64_t p) { return need_ctx("cuMemFree") ? drop(p, 0) : E_INVALID_CONTEXT; }
+
+int cuMemHostAlloc(void **p, size_t size, unsigned int flags)
+{
+    (void)flags;
+    if (!need_ctx("cuMemHostAlloc"))
+        return E_INVALID_CONTEXT;
+    note("pinned %s", hex(current->dev));
+    *p = malloc(size);
+    return *p ? OK : 2;
+}
+
+int cuMemFreeHost(void *p)
+{
+    if (!need_ctx("cuMemFreeHost"))
+        return E_INVALID_CONTEXT;
+    free(p);
+    return OK;
+}
+
+int cuIpcGetMemHandle(void *handle, uint64_t p)
+{
+    if (!need_ctx("cuIpcGetMemHandle"))
+        return E_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    fake_alloc *a = find(p);
+    fake_ipc h = {0};
+    if (a && a->base == p && !a->opened)
+        h = (fake_ipc){0x46414b45, getpid(), a->fd, a->size, {0}};
+    int dev = a ? a->dev : 0;
+    pthread_mutex_unlock(&mu);
+    if (!h.magic)
+        return E_INVALID_VALUE;
+    memcpy(h.uuid, uuids[dev], 16);
+    memset(handle, 0, 64);
+    memcpy(handle, &h, sizeof h);
+    return OK;
+}
+
+typedef struct {
+    char bytes[64];
+} fake_handle_arg;
+
+int cuIpcOpenMemHandle_v2(uint64_t *p, fake_handle_arg handle, unsigned int flags)
+{
+    (void)flags;
+    fake_ipc h;
+    memcpy(&h, handle.bytes, sizeof h);
+    if (!need_ctx("cuIpcOpenMemHandle"))
+        return E_INVALID_CONTEXT;
+    const char *fail = getenv("FAKE_CUDA_IPC_FAIL");
+    if ((fail && *fail == '1') || h.magic != 0x46414b45)
+        return E_INVALID_HANDLE;
+    if (memcmp(h.uuid, uuids[current->dev], 16) != 0) {
+        note("wrongdevice cuIpcOpenMemHandle");
+        return E_INVALID_DEVICE;
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    void *m = fd >= 0 ? mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    if (m == MAP_FAILED) {
+        if (fd >= 0)
+            close(fd);
+        return E_INVALID_HANDLE;
+    }
+    pthread_mutex_lock(&mu);
+    add((uint64_t)(uintptr_t)m, h.size, current->dev, fd, 1);
+    pthread_mutex_unlock(&mu);
+    *p = (uint64_t)(uintptr_t)m;
+    return OK;
+}
+
+int cuIpcCloseMemHandle(uint64_t p) { return drop(p, 1); }
+
+int cuStreamCreate(void **stream, unsigned int flags)
+{
+    (void)flags;
+    if (!need_ctx("cuStreamCreate"))
+        return E_INVALID_CONTEXT;
+    fake_stream *s = malloc(sizeof *s);
+    if (!s)
+        return 2;
+    s->dev = current->dev;
+    *stream = s;
+    return OK;
+}
+
+int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t len, void *stream)
+{
+    if (!need_ctx("cuMemcpyAsync"))
+        return E_INVALID_CONTEXT;
+    if (((fake_stream *)stream)->dev != current->dev) {
+        note("wrongdevice cuMemcpyAsync");
+        return E_INVALID_HANDLE;
+    }
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, len);
+    return OK;
+}
+
+int cuStreamSynchronize(void *stream)
+{
+    (void)stream;
+    return need_ctx("cuStreamSynchronize") ? OK : E_INVALID_CONTEXT;
+}
