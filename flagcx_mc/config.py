@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
@@ -25,15 +27,21 @@ __all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_l
 log = logging.getLogger(__name__)
 
 
-def _env_number(name: str, kind=float) -> float | None:
+def _env_parsed(name: str, parse: Callable[[str], Any], expected: str) -> Any:
+    """``parse`` of a variable's value; ``None`` when unset, empty, or refused by ``parse``
+    (then logged with what was ``expected``)."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
-        return kind(raw)
-    except ValueError:
-        log.warning("ignoring %s=%r: not a number", name, raw)
+        return parse(raw)
+    except (ValueError, InvalidArgumentError):
+        log.warning("ignoring %s=%r: %s", name, raw, expected)
         return None
+
+
+def _env_number(name: str, kind: Callable[[str], Any] = float) -> Any:
+    return _env_parsed(name, kind, "not a number")
 
 
 def _env_clamped(name: str, low: int, high: int) -> int | None:
@@ -140,14 +148,7 @@ def prefault_mode(value: object) -> str:
 
 def _env_prefault(name: str) -> str | None:
     """``prefault_mode`` of a variable; ``None`` when unset, empty or not a mode (warned)."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return prefault_mode(raw)
-    except InvalidArgumentError:
-        log.warning("ignoring %s=%r: not one of %s (or 1/0)", name, raw, ", ".join(PREFAULT_MODES))
-        return None
+    return _env_parsed(name, prefault_mode, f"not one of {', '.join(PREFAULT_MODES)} (or 1/0)")
 
 
 _CC_DIR = "/proc/sys/net/ipv4"
