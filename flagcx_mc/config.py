@@ -310,7 +310,8 @@ class EngineConfig:
                 raise InvalidArgumentError(f"{name} {ports[0]}..{ports[1]} is not a range within 1..65535")
         if not MIN_MAX_LENGTH <= self.handshake_max_length <= MAX_MAX_LENGTH:
             raise InvalidArgumentError(
-                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], not {self.handshake_max_length}")
+                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], "
+                f"not {self.handshake_max_length}")
         if not isinstance(self.accept_mooncake_wire, bool):
             raise InvalidArgumentError("accept_mooncake_wire must be True or False")
 

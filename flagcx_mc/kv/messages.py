@@ -35,7 +35,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import orjson
 
@@ -201,7 +201,7 @@ class Workers:
     type = "workers"
 
 
-Message = Union[Xfer, Result, Ping, Pong, ErrorReply, Register, Ack, Lookup, Workers]
+Message = Xfer | Result | Ping | Pong | ErrorReply | Register | Ack | Lookup | Workers
 
 
 # ---------------------------------------------------------------------------------- encode

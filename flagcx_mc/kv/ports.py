@@ -90,7 +90,7 @@ def check_disjoint(ranges: Sequence[tuple[int, int]]) -> None:
         InvalidArgumentError: two ranges overlap.
     """
     ordered = sorted(ranges)
-    for (b0, n0), (b1, n1) in zip(ordered, ordered[1:]):
+    for (b0, n0), (b1, n1) in zip(ordered, ordered[1:], strict=False):  # neighbours
         if b1 < b0 + n0:
             raise InvalidArgumentError(f"ports {b0}..{b0 + n0 - 1} and {b1}..{b1 + n1 - 1} overlap")
 

@@ -121,7 +121,7 @@ def _groups(layout: KVLayout, blocks: BlockIds, rid: str) -> tuple[tuple[int, ..
     if len(blocks) != len(layout.groups):
         raise LayoutError(f"request {rid!r}: {len(blocks)} block lists for {len(layout.groups)} layout groups")
     out = []
-    for ids, planes in zip(blocks, layout.groups):
+    for ids, planes in zip(blocks, layout.groups, strict=True):
         ids = _ids(ids, f"request {rid!r} blocks")
         limit = min(p.num_blocks for p in planes)
         if any(b >= limit for b in ids):
@@ -526,7 +526,7 @@ class KVReceiver:
         combined: dict[str, Outcome] = {}
         for rid in (str(r) for r in requests):
             outcomes = [await futures[rid] for futures in per_endpoint]
-            bad = [(ep, o) for ep, o in zip(endpoints, outcomes) if not o.ok]
+            bad = [(ep, o) for ep, o in zip(endpoints, outcomes, strict=True) if not o.ok]
             combined[rid] = Outcome(
                 rid,
                 bad[0][1].status if bad else Status.DONE,
