@@ -278,7 +278,7 @@ class CorePeer:
         """A remote GPU region: remember it is GPU memory and, same host, map it here (CUDA IPC
         handle or VMM chunks)."""
         if share.vmm:
-            bases, sizes, fds = zip(*share.vmm)
+            bases, sizes, fds = zip(*share.vmm, strict=True)
             _raise_for(lib.fmc_peer_set_region_vmm(self._ptr, addr, share.device, len(bases),
                                                    ffi.new("uint64_t[]", bases), ffi.new("uint64_t[]", sizes),
                                                    ffi.new("int32_t[]", fds)))

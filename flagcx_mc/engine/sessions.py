@@ -1,9 +1,10 @@
 """Session cache keyed ``"host:port"``: one handshake per peer, shared by every caller.
 
 The first transfer to a session resolves the peer's segment descriptor (a P2PHANDSHAKE Metadata
-round trip, or a metadata-server lookup: see resolvers.py) and opens its data streams; concurrent first transfers await the same task; different peers
-handshake concurrently.  A broken session is evicted and re-opened on next use; ``refresh``
-re-reads the peer's region table (memory it registered after first contact).
+round trip, or a metadata-server lookup: see resolvers.py) and opens its data streams; concurrent
+first transfers await the same task; different peers handshake concurrently.  A broken session is
+evicted and re-opened on next use; ``refresh`` re-reads the peer's region table (memory it
+registered after first contact).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class SessionCache:
     async def close(self) -> None:
         for task in list(self._opening.values()) + list(self._refreshing.values()):
             task.cancel()
-        for name, session in list(self._open.items()):
+        for session in list(self._open.values()):
             session.close()
         self._open.clear()
 
@@ -121,7 +122,8 @@ class SessionCache:
             )
         if desc.tcp_proto_version < 2:
             raise errors.NotSupportedError(
-                f"{name} speaks Mooncake TCP v1, which reports writes done before they land; need v2 (Mooncake >= 0.3.12)"
+                f"{name} speaks Mooncake TCP v1, which reports writes done before they land; "
+                "need v2 (Mooncake >= 0.3.12)"
             )
 
     async def _open_session(self, name: str) -> Session:
