@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import overload
 
 from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
@@ -25,7 +26,11 @@ __all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_l
 log = logging.getLogger(__name__)
 
 
-def _env_number(name: str, kind=float) -> float | None:
+@overload
+def _env_number(name: str) -> float | None: ...
+@overload
+def _env_number(name: str, kind: type[int]) -> int | None: ...
+def _env_number(name: str, kind: type = float) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
@@ -184,11 +189,11 @@ def check_local_congestion_control(name: str | None = None) -> str | None:
         name = os.environ.get("FLAGCX_MC_LOCAL_CC")
     if not name:
         return None
-    available = _kernel_tcp_setting("tcp_available_congestion_control")
-    allowed = _kernel_tcp_setting("tcp_allowed_congestion_control")
-    if available is None or allowed is None:
+    available_raw = _kernel_tcp_setting("tcp_available_congestion_control")
+    allowed_raw = _kernel_tcp_setting("tcp_allowed_congestion_control")
+    if available_raw is None or allowed_raw is None:
         return None  # nothing to check against
-    available, allowed = available.split(), allowed.split()
+    available, allowed = available_raw.split(), allowed_raw.split()
     if name not in available:
         return f"FLAGCX_MC_LOCAL_CC={name!r} is not an available congestion control ({' '.join(available)})"
     if name not in allowed and os.geteuid() != 0:
