@@ -30,6 +30,7 @@ from .requests import (
     OP_READ,
     OP_WRITE,
     RemoteDesc,
+    SingleTransfer,
     TransferRequest,
     check_notify,
     mooncake_opcode,
@@ -266,7 +267,7 @@ class AsyncTransferEngine:
         if notify is not None:
             await self.send_notify(target_hostname, notify, session)
 
-    async def _transfer(self, target: str, req: TransferRequest) -> Session | None:
+    async def _transfer(self, target: str, req: TransferRequest | SingleTransfer) -> Session | None:
         sessions = self._state.require_sessions()
         if req.count == 0:
             return None
@@ -305,7 +306,7 @@ class AsyncTransferEngine:
         req = TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length)
         return await self._submit(target_hostname, req)
 
-    async def _submit(self, target: str, req: TransferRequest) -> int:
+    async def _submit(self, target: str, req: TransferRequest | SingleTransfer) -> int:
         sessions = self._state.require_sessions()
         session = await sessions.get(target)
         try:  # off the loop: on one host the copy happens inside submit

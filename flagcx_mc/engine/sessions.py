@@ -78,7 +78,7 @@ class SessionCache:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._open_session(name))
             self._opening[name] = task
-            task.add_done_callback(lambda t, n=name: self._opening.pop(n, None) if self._opening.get(n) is t else None)
+            task.add_done_callback(lambda t: self._opening.pop(name, None) if self._opening.get(name) is t else None)
         return await asyncio.shield(task)
 
     async def refresh(self, name: str, stale: Session) -> Session:
@@ -89,7 +89,7 @@ class SessionCache:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._refresh(name, stale))
             self._refreshing[name] = task
-            task.add_done_callback(lambda t, n=name: self._refreshing.pop(n, None))
+            task.add_done_callback(lambda t: self._refreshing.pop(name, None))
         return await asyncio.shield(task)
 
     def evict(self, name: str, session: Session, reason: str) -> None:

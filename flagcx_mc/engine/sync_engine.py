@@ -385,6 +385,7 @@ class TransferEngine:
             raise errors.EngineStateError("engine not initialized")
         if req.count == 0:
             return 0
+        assert self._sessions is not None  # set before _initialized, never cleared
         session = self._sessions.peek(target)
         if session is None:
             return self._transfer_slowly(target, req, None, 0, "")
