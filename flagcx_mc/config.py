@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import overload
 
 from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
@@ -26,11 +25,7 @@ __all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_l
 log = logging.getLogger(__name__)
 
 
-@overload
-def _env_number(name: str) -> float | None: ...
-@overload
-def _env_number(name: str, kind: type[int]) -> int | None: ...
-def _env_number(name: str, kind: type = float) -> float | None:
+def _env_number(name: str, kind=float) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
@@ -44,7 +39,7 @@ def _env_number(name: str, kind: type = float) -> float | None:
 def _env_clamped(name: str, low: int, high: int) -> int | None:
     """An integer variable brought into [low, high], as the core always read these."""
     value = _env_number(name, int)
-    return None if value is None else min(high, max(low, value))
+    return None if value is None else min(high, max(low, int(value)))  # an int already (kind=int)
 
 
 def mooncake_transfer_timeout() -> float:
