@@ -47,7 +47,7 @@ def _env_number(name: str, kind: Callable[[str], Any] = float) -> Any:
 def _env_clamped(name: str, low: int, high: int) -> int | None:
     """An integer variable brought into [low, high], as the core always read these."""
     value = _env_number(name, int)
-    return None if value is None else min(high, max(low, value))
+    return None if value is None else min(high, max(low, int(value)))  # an int already (kind=int)
 
 
 def mooncake_transfer_timeout() -> float:
@@ -185,11 +185,11 @@ def check_local_congestion_control(name: str | None = None) -> str | None:
         name = os.environ.get("FLAGCX_MC_LOCAL_CC")
     if not name:
         return None
-    available = _kernel_tcp_setting("tcp_available_congestion_control")
-    allowed = _kernel_tcp_setting("tcp_allowed_congestion_control")
-    if available is None or allowed is None:
+    available_raw = _kernel_tcp_setting("tcp_available_congestion_control")
+    allowed_raw = _kernel_tcp_setting("tcp_allowed_congestion_control")
+    if available_raw is None or allowed_raw is None:
         return None  # nothing to check against
-    available, allowed = available.split(), allowed.split()
+    available, allowed = available_raw.split(), allowed_raw.split()
     if name not in available:
         return f"FLAGCX_MC_LOCAL_CC={name!r} is not an available congestion control ({' '.join(available)})"
     if name not in allowed and os.geteuid() != 0:
@@ -311,7 +311,8 @@ class EngineConfig:
                 raise InvalidArgumentError(f"{name} {ports[0]}..{ports[1]} is not a range within 1..65535")
         if not MIN_MAX_LENGTH <= self.handshake_max_length <= MAX_MAX_LENGTH:
             raise InvalidArgumentError(
-                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], not {self.handshake_max_length}")
+                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], "
+                f"not {self.handshake_max_length}")
         if not isinstance(self.accept_mooncake_wire, bool):
             raise InvalidArgumentError("accept_mooncake_wire must be True or False")
 
