@@ -31,7 +31,7 @@ async def main(args: argparse.Namespace) -> int:
         try:
             await engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
             await engine.batch_register_memory([local.addr, back.addr], [local.size, back.size])
-            for peer, mem in zip(peers, remotes):
+            for peer, mem in zip(peers, remotes, strict=True):
                 await peer.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
                 await peer.register_memory(mem.addr, mem.size)
             sessions = [f"127.0.0.1:{await peer.get_rpc_port()}" for peer in peers]

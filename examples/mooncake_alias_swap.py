@@ -97,12 +97,12 @@ class MooncakeWorker:
         """Coalesce runs contiguous on both sides, then one batch write per request."""
         src_ptrs, dst_ptrs, lengths = [], [], []
         runs = []
-        for s, d in zip(local_ids, remote_ids):
+        for s, d in zip(local_ids, remote_ids, strict=True):
             if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
                 runs[-1][2] += 1
             else:
                 runs.append([s, d, 1])
-        for local_base, remote_base in zip(self.kv.base_addrs, remote_base_addrs):
+        for local_base, remote_base in zip(self.kv.base_addrs, remote_base_addrs, strict=True):
             for s, d, n in runs:
                 src_ptrs.append(local_base + s * BLOCK_LEN)
                 dst_ptrs.append(remote_base + d * BLOCK_LEN)

@@ -25,7 +25,6 @@ import json
 import random
 import sys
 from dataclasses import dataclass
-from typing import Dict, List
 
 import numpy as np
 
@@ -54,7 +53,7 @@ class Request:
     arrival: float  # seconds after the stream starts
 
 
-def request_stream(args) -> List[Request]:
+def request_stream(args) -> list[Request]:
     rng = random.Random(args.seed)
     t, out = 0.0, []
     for i in range(args.requests):
@@ -81,12 +80,12 @@ class BlockPool:
         self.free = collections.deque(range(size))
         self.changed = asyncio.Condition()
 
-    async def alloc(self, n: int) -> List[int]:
+    async def alloc(self, n: int) -> list[int]:
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.free) >= n)
             return [self.free.popleft() for _ in range(n)]
 
-    async def release(self, blocks: List[int]) -> None:
+    async def release(self, blocks: list[int]) -> None:
         async with self.changed:
             self.free.extend(blocks)
             self.changed.notify_all()
@@ -146,7 +145,7 @@ async def prefill_main(args) -> None:
                 for layer, cache in w.caches.items():
                     cache[:, blocks] = kv_values(req, layer, w.heads, 0, len(blocks), args)
             sent = [s.publish(req.rid, [blocks], consumers=n, expire=60.0)
-                    for s, n in zip(senders, consumers) if n]
+                    for s, n in zip(senders, consumers, strict=True) if n]
             return all(await asyncio.gather(*sent))  # only now may the blocks be reused
         finally:
             await pool.release(blocks)
@@ -154,8 +153,9 @@ async def prefill_main(args) -> None:
     served = await asyncio.gather(*(serve(r) for r in request_stream(args)))
     summary("prefill", served=sum(served), failed=len(served) - sum(served),
             triplets=sum(s.stats["triplets"] for s in senders),
-            workers=[[w.pp, w.tp, s.endpoint, w.engine.session_name] for w, s in zip(workers, senders)])
-    for s, w in zip(senders, workers):
+            workers=[[w.pp, w.tp, s.endpoint, w.engine.session_name]
+                     for w, s in zip(workers, senders, strict=True)])
+    for s, w in zip(senders, workers, strict=True):
         await s.close()
         await w.engine.close()
 
@@ -175,7 +175,7 @@ async def decode_main(args) -> None:
     pool = BlockPool(args.decode_blocks)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    results: List[Dict] = []
+    results: list[dict] = []
     block_planes = 0
 
     async def fetch(req: Request) -> None:
@@ -187,7 +187,8 @@ async def decode_main(args) -> None:
                 for cache in w.caches.values():
                     cache[:, blocks] = 0
             t0 = loop.time()
-            outcomes = await asyncio.gather(*(r.fetch(eps, {req.rid: [blocks]}) for r, eps in zip(receivers, sources)))
+            outcomes = await asyncio.gather(*(r.fetch(eps, {req.rid: [blocks]})
+                                              for r, eps in zip(receivers, sources, strict=True)))
             latency = loop.time() - t0
             failed = [o[req.rid] for o in outcomes if not o[req.rid].ok]
             verified = not failed and all(
@@ -204,7 +205,7 @@ async def decode_main(args) -> None:
     elapsed = loop.time() - start
     summary("decode", results=results, elapsed=elapsed, block_planes=block_planes,
             workers=[[w.pp, w.tp, w.engine.session_name] for w in workers])
-    for r, w in zip(receivers, workers):
+    for r, w in zip(receivers, workers, strict=True):
         await r.close()
         await w.engine.close()
 
@@ -212,12 +213,12 @@ async def decode_main(args) -> None:
 # ---------------------------------------------------------------------------------- driver
 
 
-def percentile(values: List[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def driver(args, passthrough: List[str]) -> int:
+async def driver(args, passthrough: list[str]) -> int:
     async with BootstrapRegistry() as registry:
         endpoint = await registry.start("127.0.0.1")
         procs = [await asyncio.create_subprocess_exec(sys.executable, __file__, "--role", role, "--registry", endpoint,
@@ -240,7 +241,7 @@ async def driver(args, passthrough: List[str]) -> int:
     return report(args, prefill, decode)
 
 
-def report(args, prefill: Dict, decode: Dict) -> int:
+def report(args, prefill: dict, decode: dict) -> int:
     print(f"model: {args.layers} layers, {args.heads} KV heads x {args.head_dim}, blocks of {args.block_size} tokens")
     print(f"prefill PP{args.pp} x TP{args.tp} -> decode PP{args.pp} x TP{args.decode_tp}")
     print(f"{'worker':<18} {'side channel (free port, registered)':<38} engine session")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from . import errors
 from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare
@@ -17,7 +17,7 @@ from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare
 if TYPE_CHECKING:
     from .config import EngineConfig
 try:
-    from ._fmc_cffi import ffi, lib  # type: ignore[import-not-found]
+    from ._fmc_cffi import ffi, lib
 except ImportError as exc:  # a source tree without the compiled core
     raise ImportError(
         f"flagcx_mc's C core is not built here ({exc}); install the package with `pip install .` "
@@ -73,7 +73,8 @@ def as_u64_list(values: object, what: str) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, range)):
         if not (hasattr(values, "__len__") and hasattr(values, "__getitem__")):  # numpy arrays
             raise errors.InvalidArgumentError(f"{what} must be a list of ints, not {type(values).__name__}")
-    return [as_u64(v, f"{what}[{i}]") for i, v in enumerate(values)]  # type: ignore[arg-type]
+    # a list, tuple, range or sequence-like array (checked above): iterable
+    return [as_u64(v, f"{what}[{i}]") for i, v in enumerate(cast("Sequence[object]", values))]
 
 
 def _raise_for(rc: int, context: str = "") -> None:
@@ -278,7 +279,7 @@ class CorePeer:
         """A remote GPU region: remember it is GPU memory and, same host, map it here (CUDA IPC
         handle or VMM chunks)."""
         if share.vmm:
-            bases, sizes, fds = zip(*share.vmm)
+            bases, sizes, fds = zip(*share.vmm, strict=True)
             _raise_for(lib.fmc_peer_set_region_vmm(self._ptr, addr, share.device, len(bases),
                                                    ffi.new("uint64_t[]", bases), ffi.new("uint64_t[]", sizes),
                                                    ffi.new("int32_t[]", fds)))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
@@ -25,21 +27,27 @@ __all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_l
 log = logging.getLogger(__name__)
 
 
-def _env_number(name: str, kind=float) -> float | None:
+def _env_parsed(name: str, parse: Callable[[str], Any], expected: str) -> Any:
+    """``parse`` of a variable's value; ``None`` when unset, empty, or refused by ``parse``
+    (then logged with what was ``expected``)."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
     try:
-        return kind(raw)
-    except ValueError:
-        log.warning("ignoring %s=%r: not a number", name, raw)
+        return parse(raw)
+    except (ValueError, InvalidArgumentError):
+        log.warning("ignoring %s=%r: %s", name, raw, expected)
         return None
+
+
+def _env_number(name: str, kind: Callable[[str], Any] = float) -> Any:
+    return _env_parsed(name, kind, "not a number")
 
 
 def _env_clamped(name: str, low: int, high: int) -> int | None:
     """An integer variable brought into [low, high], as the core always read these."""
     value = _env_number(name, int)
-    return None if value is None else min(high, max(low, value))
+    return None if value is None else min(high, max(low, int(value)))  # an int already (kind=int)
 
 
 def mooncake_transfer_timeout() -> float:
@@ -140,14 +148,7 @@ def prefault_mode(value: object) -> str:
 
 def _env_prefault(name: str) -> str | None:
     """``prefault_mode`` of a variable; ``None`` when unset, empty or not a mode (warned)."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return prefault_mode(raw)
-    except InvalidArgumentError:
-        log.warning("ignoring %s=%r: not one of %s (or 1/0)", name, raw, ", ".join(PREFAULT_MODES))
-        return None
+    return _env_parsed(name, prefault_mode, f"not one of {', '.join(PREFAULT_MODES)} (or 1/0)")
 
 
 _CC_DIR = "/proc/sys/net/ipv4"
@@ -184,11 +185,11 @@ def check_local_congestion_control(name: str | None = None) -> str | None:
         name = os.environ.get("FLAGCX_MC_LOCAL_CC")
     if not name:
         return None
-    available = _kernel_tcp_setting("tcp_available_congestion_control")
-    allowed = _kernel_tcp_setting("tcp_allowed_congestion_control")
-    if available is None or allowed is None:
+    available_raw = _kernel_tcp_setting("tcp_available_congestion_control")
+    allowed_raw = _kernel_tcp_setting("tcp_allowed_congestion_control")
+    if available_raw is None or allowed_raw is None:
         return None  # nothing to check against
-    available, allowed = available.split(), allowed.split()
+    available, allowed = available_raw.split(), allowed_raw.split()
     if name not in available:
         return f"FLAGCX_MC_LOCAL_CC={name!r} is not an available congestion control ({' '.join(available)})"
     if name not in allowed and os.geteuid() != 0:
@@ -310,7 +311,8 @@ class EngineConfig:
                 raise InvalidArgumentError(f"{name} {ports[0]}..{ports[1]} is not a range within 1..65535")
         if not MIN_MAX_LENGTH <= self.handshake_max_length <= MAX_MAX_LENGTH:
             raise InvalidArgumentError(
-                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], not {self.handshake_max_length}")
+                f"handshake_max_length must be in [{MIN_MAX_LENGTH}, {MAX_MAX_LENGTH}], "
+                f"not {self.handshake_max_length}")
         if not isinstance(self.accept_mooncake_wire, bool):
             raise InvalidArgumentError("accept_mooncake_wire must be True or False")
 

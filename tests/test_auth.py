@@ -13,7 +13,7 @@ import pytest
 
 from flagcx_mc import AsyncTransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess
-from flagcx_mc.control.auth import sign_request
+from flagcx_mc.control.auth import AUTH_KEY, RequestVerifier, _mac, sign_request
 from flagcx_mc.control.codec import MessageType
 from flagcx_mc.control.handshake import request
 
@@ -68,6 +68,14 @@ async def test_a_replayed_request_is_refused(guarded_node):
     assert reply["buffers"]
     with pytest.raises(errors.HandshakeRejectedError, match="replayed"):
         await request("127.0.0.1", _rpc_port(guarded_node), MessageType.METADATA, signed)
+
+
+def test_a_timestamp_of_non_decimal_digits_is_malformed():
+    # "²" is a digit to str.isdigit but not to int(): a rejection, not a ValueError, even with a valid MAC.
+    secret, nonce, ts = SECRET.encode(), "ab" * 16, "\u00b2"
+    proof = {"ts": ts, "nonce": nonce, "mac": _mac(secret, "req", MessageType.METADATA, nonce, ts, {})}
+    with pytest.raises(errors.HandshakeRejectedError, match="malformed"):
+        RequestVerifier(secret).verify(MessageType.METADATA, {AUTH_KEY: proof})
 
 
 async def test_probe_needs_no_secret(guarded_node):

@@ -58,7 +58,8 @@ class RequestVerifier:
         if not isinstance(proof, dict):
             raise errors.HandshakeRejectedError("this engine requires the shared secret")
         ts, nonce, mac = proof.get("ts"), proof.get("nonce"), proof.get("mac")
-        if not all(isinstance(x, str) for x in (ts, nonce, mac)) or not ts.isdigit():
+        # isdecimal, not isdigit: "²" is a digit that int() refuses (a ValueError, not a rejection)
+        if not (isinstance(ts, str) and isinstance(nonce, str) and isinstance(mac, str)) or not ts.isdecimal():
             raise errors.HandshakeRejectedError("malformed authentication block")
         expected = _mac(self._secret, "req", mtype, nonce, ts, payload)
         if not hmac.compare_digest(expected, mac):

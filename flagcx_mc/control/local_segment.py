@@ -62,7 +62,7 @@ class LocalSegment:
                 data_port=self._core.data_port,
                 regions=tuple(RegionDesc(addr=a, length=n, key=k, slot=sl, gen=g, cuda=self._gpu_share(a, k),
                                          shm=_whole_region(shared.get(a), n))
-                              for (a, n, k), (sl, g) in zip(table, slots)),
+                              for (a, n, k), (sl, g) in zip(table, slots, strict=True)),
                 boot_id=self._boot_id,
                 pid=os.getpid(),
                 shm_fd=self._core.same_host_fd,

@@ -30,6 +30,7 @@ from .requests import (
     OP_READ,
     OP_WRITE,
     RemoteDesc,
+    SingleTransfer,
     TransferRequest,
     check_notify,
     mooncake_opcode,
@@ -266,7 +267,7 @@ class AsyncTransferEngine:
         if notify is not None:
             await self.send_notify(target_hostname, notify, session)
 
-    async def _transfer(self, target: str, req: TransferRequest) -> Session | None:
+    async def _transfer(self, target: str, req: TransferRequest | SingleTransfer) -> Session | None:
         sessions = self._state.require_sessions()
         if req.count == 0:
             return None
@@ -281,12 +282,14 @@ class AsyncTransferEngine:
                                          peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                          transport_hint: str = "") -> int:
         """Start a write batch; returns its id for ``get_batch_transfer_status``."""
-        return await self._submit(target_hostname, TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
+        return await self._submit(target_hostname,
+                                  TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
 
     async def batch_transfer_async_read(self, target_hostname: str, buffers: Sequence[int],
                                         peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                         transport_hint: str = "") -> int:
-        return await self._submit(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
+        return await self._submit(target_hostname,
+                                  TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
 
     async def batch_transfer_async(self, target_hostname: str, buffers: Sequence[int],
                                    peer_buffer_addresses: Sequence[int], lengths: Sequence[int], opcode: int,
@@ -303,7 +306,7 @@ class AsyncTransferEngine:
         req = TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length)
         return await self._submit(target_hostname, req)
 
-    async def _submit(self, target: str, req: TransferRequest) -> int:
+    async def _submit(self, target: str, req: TransferRequest | SingleTransfer) -> int:
         sessions = self._state.require_sessions()
         session = await sessions.get(target)
         try:  # off the loop: on one host the copy happens inside submit
@@ -372,7 +375,7 @@ class AsyncTransferEngine:
         sizes = as_u64_list(sizes, "sizes")
         if not isinstance(descs, (list, tuple)) or not all(isinstance(d, RemoteDesc) for d in descs):
             raise errors.InvalidArgumentError("descs must be a list of make_desc results")
-        if len(descs) != len(sizes) or any(s > d.size for d, s in zip(descs, sizes)):
+        if len(descs) != len(sizes) or any(s > d.size for d, s in zip(descs, sizes, strict=True)):
             raise errors.InvalidArgumentError("each size must be at most its descriptor's size")
         req = TransferRequest.build(op, local_addrs, [d.addr for d in descs], sizes)
         deadline = time.monotonic() + self._state.config.timeout_for(req.total_bytes)
@@ -476,7 +479,7 @@ def _unregister_each(core: CoreEngine, addrs: list[int]) -> None:
 def _register_all(core: CoreEngine, addrs: list[int], lens: list[int]) -> None:
     done: list[int] = []
     try:
-        for addr, length in zip(addrs, lens):
+        for addr, length in zip(addrs, lens, strict=True):
             core.register(addr, length)
             done.append(addr)
     except BaseException:

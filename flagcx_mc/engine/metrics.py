@@ -46,7 +46,7 @@ class PeerStats:
             "transfers": self.transfers,
             "failures": self.failures,
             "latency_sum_seconds": self.latency_sum,
-            "latency_buckets": dict(zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.latency_buckets)),
+            "latency_buckets": dict(zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.latency_buckets, strict=True)),
         }
 
 

@@ -1,9 +1,10 @@
 """Session cache keyed ``"host:port"``: one handshake per peer, shared by every caller.
 
 The first transfer to a session resolves the peer's segment descriptor (a P2PHANDSHAKE Metadata
-round trip, or a metadata-server lookup: see resolvers.py) and opens its data streams; concurrent first transfers await the same task; different peers
-handshake concurrently.  A broken session is evicted and re-opened on next use; ``refresh``
-re-reads the peer's region table (memory it registered after first contact).
+round trip, or a metadata-server lookup: see resolvers.py) and opens its data streams; concurrent
+first transfers await the same task; different peers handshake concurrently.  A broken session is
+evicted and re-opened on next use; ``refresh`` re-reads the peer's region table (memory it
+registered after first contact).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class SessionCache:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._open_session(name))
             self._opening[name] = task
-            task.add_done_callback(lambda t, n=name: self._opening.pop(n, None) if self._opening.get(n) is t else None)
+            task.add_done_callback(lambda t: self._opening.pop(name, None) if self._opening.get(name) is t else None)
         return await asyncio.shield(task)
 
     async def refresh(self, name: str, stale: Session) -> Session:
@@ -88,7 +89,7 @@ class SessionCache:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._refresh(name, stale))
             self._refreshing[name] = task
-            task.add_done_callback(lambda t, n=name: self._refreshing.pop(n, None))
+            task.add_done_callback(lambda t: self._refreshing.pop(name, None))
         return await asyncio.shield(task)
 
     def evict(self, name: str, session: Session, reason: str) -> None:
@@ -101,7 +102,7 @@ class SessionCache:
     async def close(self) -> None:
         for task in list(self._opening.values()) + list(self._refreshing.values()):
             task.cancel()
-        for name, session in list(self._open.items()):
+        for session in list(self._open.values()):
             session.close()
         self._open.clear()
 
@@ -121,7 +122,8 @@ class SessionCache:
             )
         if desc.tcp_proto_version < 2:
             raise errors.NotSupportedError(
-                f"{name} speaks Mooncake TCP v1, which reports writes done before they land; need v2 (Mooncake >= 0.3.12)"
+                f"{name} speaks Mooncake TCP v1, which reports writes done before they land; "
+                "need v2 (Mooncake >= 0.3.12)"
             )
 
     async def _open_session(self, name: str) -> Session:

@@ -330,14 +330,16 @@ class TransferEngine:
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                             transport_hint: str = "") -> int:
         try:
-            return self._transfer(target_hostname, TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length))
+            return self._transfer(target_hostname,
+                                  TransferRequest.single(OP_WRITE, buffer, peer_buffer_address, length))
         except Exception as exc:
             return _failed("transfer_sync_write", exc)
 
     def transfer_sync_read(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                            transport_hint: str = "") -> int:
         try:
-            return self._transfer(target_hostname, TransferRequest.single(OP_READ, buffer, peer_buffer_address, length))
+            return self._transfer(target_hostname,
+                                  TransferRequest.single(OP_READ, buffer, peer_buffer_address, length))
         except Exception as exc:
             return _failed("transfer_sync_read", exc)
 
@@ -345,7 +347,8 @@ class TransferEngine:
                                   peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                   transport_hint: str = "") -> int:
         try:
-            return self._transfer(target_hostname, TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
+            return self._transfer(target_hostname,
+                                  TransferRequest.build(OP_WRITE, buffers, peer_buffer_addresses, lengths))
         except Exception as exc:
             return _failed("batch_transfer_sync_write", exc)
 
@@ -353,7 +356,8 @@ class TransferEngine:
                                  peer_buffer_addresses: Sequence[int], lengths: Sequence[int],
                                  transport_hint: str = "") -> int:
         try:
-            return self._transfer(target_hostname, TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
+            return self._transfer(target_hostname,
+                                  TransferRequest.build(OP_READ, buffers, peer_buffer_addresses, lengths))
         except Exception as exc:
             return _failed("batch_transfer_sync_read", exc)
 
@@ -381,6 +385,7 @@ class TransferEngine:
             raise errors.EngineStateError("engine not initialized")
         if req.count == 0:
             return 0
+        assert self._sessions is not None  # set before _initialized, never cleared
         session = self._sessions.peek(target)
         if session is None:
             return self._transfer_slowly(target, req, None, 0, "")

@@ -197,7 +197,7 @@ class KVLayout:
             LayoutError: two different spans overlap (the engine would refuse them).
         """
         unique = sorted({p.span for p in self.planes if p.span is not None})
-        for (a0, n0), (a1, _) in zip(unique, unique[1:]):
+        for (a0, n0), (a1, _) in zip(unique, unique[1:], strict=False):  # neighbours
             if a1 < a0 + n0:
                 raise LayoutError(f"spans [{a0:#x}, +{n0}) and [{a1:#x}, ...) overlap")
         return [a for a, _ in unique], [n for _, n in unique]
@@ -375,7 +375,7 @@ class Triplets:
         return len(self.lengths)
 
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
-        return iter(zip(self.src, self.dst, self.lengths))
+        return iter(zip(self.src, self.dst, self.lengths, strict=True))
 
     @property
     def nbytes(self) -> int:
@@ -412,7 +412,7 @@ def group_contiguous(src_blocks: Any, dst_blocks: Any) -> list[tuple[int, int, i
         raise LayoutError(f"{len(src)} source blocks but {len(dst)} destination blocks")
     runs: list[tuple[int, int, int]] = []
     s0 = d0 = n = 0
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         if n and s == s0 + n and d == d0 + n:
             n += 1
             continue
@@ -476,7 +476,7 @@ def _pieces(src_planes: Sequence[Plane], dst_planes: Sequence[Plane], src_blocks
             return []
         chunks = split.chunks(src, dst, heads)
     raw: list[_Piece] = []
-    for sp, dp in zip(src_planes, dst_planes):
+    for sp, dp in zip(src_planes, dst_planes, strict=True):
         if split is not None:
             for plane, tp, side in ((sp, src, "source"), (dp, dst, "destination")):
                 if plane.block_len != split.block_len(tp.size):
@@ -545,7 +545,7 @@ def plan(
     if len(src_blocks) != len(src.groups) or len(dst_blocks) != len(dst.groups):
         raise LayoutError(f"need one block-id list per group ({len(src.groups)})")
     raw: list[_Piece] = []
-    for sp, dp, sb, db in zip(src.groups, dst.groups, src_blocks, dst_blocks):
+    for sp, dp, sb, db in zip(src.groups, dst.groups, src_blocks, dst_blocks, strict=True):
         sb, db = _ids(sb, "source blocks"), _ids(db, "destination blocks")
         if len(db) > len(sb):
             raise LayoutError(f"destination asks for {len(db)} blocks but the source has {len(sb)}")

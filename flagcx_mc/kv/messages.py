@@ -35,7 +35,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import orjson
 
@@ -201,7 +201,7 @@ class Workers:
     type = "workers"
 
 
-Message = Union[Xfer, Result, Ping, Pong, ErrorReply, Register, Ack, Lookup, Workers]
+Message = Xfer | Result | Ping | Pong | ErrorReply | Register | Ack | Lookup | Workers
 
 
 # ---------------------------------------------------------------------------------- encode
@@ -246,7 +246,7 @@ class _Fields:
     def fail(self, reason: str) -> MessageError:
         return MessageError(f"{self.where}: {reason}", self.msg_id)
 
-    def get(self, name: str, kind: type, *, optional: bool = False, default: Any = None) -> Any:
+    def get(self, name: str, kind: type | tuple[type, ...], *, optional: bool = False, default: Any = None) -> Any:
         if name not in self.obj:
             if optional:
                 return default
@@ -403,7 +403,6 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         return _error(_Fields(obj, "error", msg_id), msg_id)
     if msg_id is None:
         raise MessageError(f"'id' must be a string of 1..{_MAX_ID} characters")
-    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
-    if parser is None:
+    if not isinstance(kind, str) or (parser := _PARSERS.get(kind)) is None:
         raise MessageError(f"unknown message type {kind!r}", msg_id)
     return parser(_Fields(obj, kind, msg_id), msg_id)

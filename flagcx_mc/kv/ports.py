@@ -90,7 +90,7 @@ def check_disjoint(ranges: Sequence[tuple[int, int]]) -> None:
         InvalidArgumentError: two ranges overlap.
     """
     ordered = sorted(ranges)
-    for (b0, n0), (b1, n1) in zip(ordered, ordered[1:]):
+    for (b0, n0), (b1, n1) in zip(ordered, ordered[1:], strict=False):  # neighbours
         if b1 < b0 + n0:
             raise InvalidArgumentError(f"ports {b0}..{b0 + n0 - 1} and {b1}..{b1 + n1 - 1} overlap")
 
@@ -113,7 +113,7 @@ def bind_free(sock: zmq.Socket, host: str = "127.0.0.1", advertise: str | None =
     if ":" in bare:
         sock.setsockopt(zmq.IPV6, 1)
     sock.bind(tcp_endpoint(bare, "*"))
-    bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     port = int(bound.rsplit(":", 1)[1])
     return tcp_endpoint((advertise or bare).strip("[]"), port)
 
@@ -221,7 +221,7 @@ class _Client:
         deadline = loop.time() + timeout
         while True:
             remaining = deadline - loop.time()
-            if remaining <= 0 or not await self._sock.poll(remaining * 1000, zmq.POLLIN):
+            if remaining <= 0 or not await self._sock.poll(remaining * 1000):  # flags default to POLLIN
                 raise RegistryError(f"registry {self._registry} did not answer within {timeout} s")
             try:
                 reply = decode(await self._sock.recv())

@@ -38,7 +38,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -121,7 +121,7 @@ def _groups(layout: KVLayout, blocks: BlockIds, rid: str) -> tuple[tuple[int, ..
     if len(blocks) != len(layout.groups):
         raise LayoutError(f"request {rid!r}: {len(blocks)} block lists for {len(layout.groups)} layout groups")
     out = []
-    for ids, planes in zip(blocks, layout.groups):
+    for ids, planes in zip(blocks, layout.groups, strict=True):
         ids = _ids(ids, f"request {rid!r} blocks")
         limit = min(p.num_blocks for p in planes)
         if any(b >= limit for b in ids):
@@ -379,6 +379,7 @@ class KVSender:
                 await self._reply(ident, ErrorReply(msg.msg_id, f"a sender does not answer {msg.type!r} messages"))
 
     async def _reply(self, ident: bytes, msg: Message) -> None:
+        assert self._sock is not None  # only the serving loop and its tasks answer, after start()
         try:
             await self._sock.send_multipart([ident, encode(msg)])
         except zmq.ZMQError as exc:  # socket closed under us: decode's timeout covers it
@@ -526,7 +527,7 @@ class KVReceiver:
         combined: dict[str, Outcome] = {}
         for rid in (str(r) for r in requests):
             outcomes = [await futures[rid] for futures in per_endpoint]
-            bad = [(ep, o) for ep, o in zip(endpoints, outcomes) if not o.ok]
+            bad = [(ep, o) for ep, o in zip(endpoints, outcomes, strict=True) if not o.ok]
             combined[rid] = Outcome(
                 rid,
                 bad[0][1].status if bad else Status.DONE,
@@ -624,7 +625,7 @@ class KVReceiver:
             await self._drop(peer, Status.DISCONNECTED, f"reader for {peer.endpoint} failed")
 
     async def _drain(self, peer: _Peer) -> None:
-        while peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while cast(int, peer.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # EVENTS is an int option
             frames = await peer.sock.recv_multipart()
             self._on_reply(peer, frames[-1])
 
@@ -639,7 +640,7 @@ class KVReceiver:
         if isinstance(msg, Result):
             pending = peer.pending.get(msg.msg_id)
             fut = pending.futures.pop(msg.rid, None) if pending else None
-            if fut is None:
+            if pending is None or fut is None:
                 log.info("side channel: ignoring a result for unknown request %r from %s", msg.rid, peer.endpoint)
                 return
             if not fut.done():

@@ -155,7 +155,7 @@ def _gpu_share(value: object, addr: int, length: int, where: str) -> GpuShare:
     items = _req_list(c, "vmm", where)
     if not 0 < len(items) <= MAX_GPU_CHUNKS:
         raise MalformedJsonError(f"{where}.vmm: {len(items)} chunks (1 to {MAX_GPU_CHUNKS})")
-    chunks = []
+    chunks: list[tuple[int, int, int]] = []
     for i, item in enumerate(items):
         if (not isinstance(item, list) or len(item) != 3
                 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in item)):
@@ -172,7 +172,7 @@ def _gpu_share(value: object, addr: int, length: int, where: str) -> GpuShare:
 
 
 def _region_json(r: RegionDesc) -> dict[str, Any]:
-    out = {"addr": r.addr, "length": r.length, "key": r.key}
+    out: dict[str, Any] = {"addr": r.addr, "length": r.length, "key": r.key}
     if r.slot >= 0:
         out["slot"], out["gen"] = r.slot, r.gen
     if r.cuda is not None:

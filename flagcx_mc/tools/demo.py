@@ -73,7 +73,8 @@ async def _demo(shapes: list[tuple], repeat: int, streams: int | None) -> list[D
                 digest = node.call("fill", region=0, offset=0, length=total)["digest"]
                 local.fill(0, 0, total)
                 items = [[0, i * block, locals_[i], block] for i in range(count)]
-                reply = await asyncio.to_thread(node.call, "transfer", op="write", target=engine.session_name, items=items)
+                reply = await asyncio.to_thread(node.call, "transfer", op="write", target=engine.session_name,
+                                                items=items)
                 ok = reply["rc"] == 0 and local.digest(0, total) == digest
                 results.append(DemoResult("peer-write", block, count, reply["seconds"], ok))
     finally:

@@ -473,7 +473,8 @@ def run_bench(opts: BenchOptions) -> int:
         print(f"unknown transport(s): {', '.join(sorted(unknown))}; known: {', '.join(t.name for t in TRANSPORTS)}",
               file=sys.stderr)
         return 2
-    result: dict = {"schema": SCHEMA, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result: dict = {"schema": SCHEMA,
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": _host_info(), "errors": [],
               "options": {"blocks": opts.blocks, "batches": opts.batches, "ops": opts.ops, "streams": opts.streams,
                           "transports": opts.transports, "repeat": opts.repeat, "target_bytes": opts.target_bytes,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +83,7 @@ def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
     try:
         text = Path(path).read_text()
         if path.endswith(".toml"):
-            import tomllib  # Python 3.11+
+            import tomllib  # type: ignore[import-not-found]  # Python 3.11+ (mypy checks as 3.10)
 
             data: Any = tomllib.loads(text)
         else:
@@ -139,11 +138,10 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
             return [(lat[transport]["p50_us"] / lat[against]["p50_us"], {})], ""
         return [], _why_not(result, transport, against)
     rows = throughput_rows(result.get("rows", []), transport)
-    value_of: Callable[[dict], float | None]
-    if kind == "cpu_ratio":
-        value_of = lambda r: r.get("cpu_vs_mooncake")
-    else:
-        value_of = lambda r: r.get("ratios", {}).get(against)
+
+    def value_of(r: dict) -> float | None:
+        return r.get("cpu_vs_mooncake") if kind == "cpu_ratio" else r.get("ratios", {}).get(against)
+
     values = [(v, r) for r in rows if (v := value_of(r)) is not None]
     others = _mooncake_transports(result) if against == "mooncake" else [against]
     return values, "" if values else _why_not(result, transport, *others)
