@@ -66,6 +66,9 @@ int fmc_cuda_device_uuid(int ordinal, uint8_t *uuid16);
 int fmc_cuda_device_by_uuid(const uint8_t *uuid16);
 int fmc_cuda_resolve_peer_device(const uint8_t *uuid16, int peer_ordinal);
 int fmc_cuda_contexts(int32_t *ordinals, uint8_t *uuids16, int cap);
+/* The device to map a same-host peer's GPU memory on, or why none (fmc_cuda.c says how). */
+enum { FMC_MAP_NOT_VISIBLE = -1, FMC_MAP_NO_CONTEXT = -2 };
+int fmc_cuda_mapping_device(const uint8_t *uuid16, int peer_ordinal);
 
 /* One engine's settings (flagcx_mc.config.EngineConfig fills them); fmc_options_default gives
  * the core's defaults, which a NULL options pointer also means. */

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from . import errors
-from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare
+from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare, gpu_uuid_bytes, gpu_uuid_text
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -51,6 +51,42 @@ def hmac_sha256(key: bytes, message: bytes) -> bytes:
 def last_error() -> str:
     """The message of the last failing core call in this thread."""
     return ffi.string(lib.fmc_last_error()).decode(errors="replace")
+
+
+def device_uuid(ordinal: int) -> str:
+    """The UUID of this process's GPU ``ordinal`` (``GPU-...``), or "" where there is none."""
+    raw = ffi.new("uint8_t[16]")
+    if ordinal < 0 or lib.fmc_cuda_device_uuid(ordinal, raw) != 0:
+        return ""
+    return gpu_uuid_text(bytes(ffi.buffer(raw, 16)))
+
+
+def _uuid_arg(share: GpuShare):
+    raw = gpu_uuid_bytes(share.uuid) if share.uuid else None
+    return raw if raw is not None else ffi.NULL
+
+
+def resolve_peer_device(share: GpuShare) -> int:
+    """The ordinal, in this process, of the GPU that holds a peer's region, or -1 where this
+    process does not see it: by UUID; by the peer's ordinal only for peers that send no UUID."""
+    return int(lib.fmc_cuda_resolve_peer_device(_uuid_arg(share), share.device))
+
+
+def mapping_device(share: GpuShare) -> int:
+    """The device to map a same-host peer's GPU region on (``fmc_cuda_mapping_device``), or
+    ``lib.FMC_MAP_NOT_VISIBLE`` / ``lib.FMC_MAP_NO_CONTEXT``."""
+    return int(lib.fmc_cuda_mapping_device(_uuid_arg(share), share.device))
+
+
+def cuda_contexts() -> tuple[list[int], list[str]]:
+    """The GPUs this process holds a primary context on: ordinals and UUIDs (the driver is not
+    loaded to answer)."""
+    cap = 64
+    ordinals = ffi.new("int32_t[]", cap)
+    uuids = ffi.new("uint8_t[]", 16 * cap)
+    n = min(int(lib.fmc_cuda_contexts(ordinals, uuids, cap)), cap)
+    raw = bytes(ffi.buffer(uuids, 16 * n))
+    return [int(ordinals[i]) for i in range(n)], [gpu_uuid_text(raw[16 * i:16 * i + 16]) for i in range(n)]
 
 
 def as_u64(value: object, what: str) -> int:
@@ -162,20 +198,22 @@ class CoreEngine:
         base = ffi.new("uint64_t *")
         dev = ffi.new("int *")
         rc = lib.fmc_region_cuda_ipc(self._ptr, addr, handle, base, dev)
-        if rc == 1:
-            return GpuShare(int(dev[0]), ipc=bytes(ffi.buffer(handle, 64)).hex(), base=int(base[0]))
         if rc == 0 and dev[0] < 0:
             return None
+        uuid = device_uuid(int(dev[0]))
+        if rc == 1:
+            return GpuShare(int(dev[0]), uuid, ipc=bytes(ffi.buffer(handle, 64)).hex(), base=int(base[0]))
         ipc_reason = last_error()
         bases = ffi.new("uint64_t[]", MAX_GPU_CHUNKS)
         sizes = ffi.new("uint64_t[]", MAX_GPU_CHUNKS)
         fds = ffi.new("int32_t[]", MAX_GPU_CHUNKS)
         n = lib.fmc_region_cuda_vmm(self._ptr, addr, bases, sizes, fds, MAX_GPU_CHUNKS, dev)
         if 0 < n <= MAX_GPU_CHUNKS:
-            return GpuShare(int(dev[0]), vmm=tuple((int(bases[i]), int(sizes[i]), int(fds[i])) for i in range(n)))
+            return GpuShare(int(dev[0]), uuid,
+                            vmm=tuple((int(bases[i]), int(sizes[i]), int(fds[i])) for i in range(n)))
         log.warning("GPU region at %#x cannot be shared with same-host peers (they will stage its bytes): "
                     "CUDA IPC: %s; VMM: %s", addr, ipc_reason, last_error())
-        return GpuShare(int(dev[0]))
+        return GpuShare(int(dev[0]), uuid)
 
     @property
     def same_host_fd(self) -> int:
@@ -190,7 +228,9 @@ class CoreEngine:
     def stats(self) -> dict:
         s = ffi.new("fmc_stats *")
         lib.fmc_engine_get_stats(self._ptr, s)
-        return {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
+        out: dict = {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
+        out["cuda_contexts"], out["cuda_context_uuids"] = cuda_contexts()
+        return out
 
     def drain_log(self) -> list[str]:
         """Messages the C threads left (refused requests, dropped connections)."""
@@ -275,19 +315,37 @@ class CorePeer:
         """How many of the peer's regions are mapped here (copied into with memcpy)."""
         return int(lib.fmc_peer_shared_region_count(self._ptr))
 
-    def set_region_gpu(self, addr: int, share: GpuShare) -> None:
+    def set_region_gpu(self, addr: int, share: GpuShare) -> str:
         """A remote GPU region: remember it is GPU memory and, same host, map it here (CUDA IPC
-        handle or VMM chunks)."""
-        if share.vmm:
-            bases, sizes, fds = zip(*share.vmm, strict=True)
-            _raise_for(lib.fmc_peer_set_region_vmm(self._ptr, addr, share.device, len(bases),
-                                                   ffi.new("uint64_t[]", bases), ffi.new("uint64_t[]", sizes),
-                                                   ffi.new("int32_t[]", fds)))
-        elif share.ipc:
-            _raise_for(lib.fmc_peer_set_region_ipc(self._ptr, addr, bytes.fromhex(share.ipc), share.base,
-                                                   share.device))
-        else:
+        handle or VMM chunks) on a device this process uses (``mapping_device``).  Returns "" when
+        mapped (or when the peer is on another host: nothing to map), else the reason its
+        bytes go through staging over TCP instead."""
+        if not self.same_host:
             _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, share.device))
+            return ""
+        local = mapping_device(share)
+        if local < 0:
+            # Known to be GPU memory all the same: its bytes must never go to process_vm_*.
+            _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, share.device))
+            if local == lib.FMC_MAP_NO_CONTEXT:
+                return "this process uses no GPU (it makes no CUDA context to map the peer's)"
+            return f"the peer's GPU {share.uuid or share.device} is not visible in this process"
+        if share.vmm:
+            bases, sizes, fds = zip(*share.vmm)
+            rc = lib.fmc_peer_set_region_vmm(self._ptr, addr, local, len(bases), ffi.new("uint64_t[]", bases),
+                                             ffi.new("uint64_t[]", sizes), ffi.new("int32_t[]", fds))
+        elif share.ipc:
+            rc = lib.fmc_peer_set_region_ipc(self._ptr, addr, bytes.fromhex(share.ipc), share.base, local)
+        else:
+            _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, local))
+            return "the peer cannot share that GPU memory"
+        if rc >= 0:
+            return ""
+        if rc == lib.FMC_ERR_ADDRESS_NOT_REGISTERED:
+            _raise_for(rc)
+        reason = f"cannot map the peer's GPU memory: {last_error()}"
+        _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, local))
+        return reason
 
     def connect(self, timeout_ms: int) -> None:
         """Open every data stream (blocking; run it off the event loop)."""

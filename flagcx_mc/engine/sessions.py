@@ -145,7 +145,7 @@ class SessionCache:
         if desc.native is None:
             peer.set_protocol(PROTO_MOONCAKE)
         self._try_same_host(peer, desc)
-        _set_regions(peer, desc)
+        _set_regions(peer, desc, self._fallbacks_logged)
         return peer
 
     def _try_same_host(self, peer: CorePeer, desc: SegmentDesc) -> None:
@@ -177,12 +177,15 @@ class SessionCache:
         if _identity(desc) != _identity(stale.desc):
             self.evict(name, stale, "the peer restarted")
             return await self.get(name)
-        _set_regions(stale.peer, desc)
+        _set_regions(stale.peer, desc, self._fallbacks_logged)
         stale.desc = desc
         return stale
 
 
-def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
+def _set_regions(peer: CorePeer, desc: SegmentDesc, logged: set) -> None:
+    """The peer's regions, its same-host slots and mappings.  A GPU region that cannot be mapped
+    here moves through staging over TCP; why is logged once per peer and reason (``logged``
+    remembers), not once per region and refresh."""
     peer.set_regions(_regions(desc))
     if desc.native is None:
         return
@@ -195,9 +198,12 @@ def _set_regions(peer: CorePeer, desc: SegmentDesc) -> None:
                 log.info("cannot map shared region %#x of %s: %s", r.addr, desc.name, exc)
         if r.cuda is not None:
             try:
-                peer.set_region_gpu(r.addr, r.cuda)
+                reason = peer.set_region_gpu(r.addr, r.cuda)
             except errors.FlagcxMcError as exc:  # that region then goes over TCP
-                log.warning("cannot map GPU region %#x of %s here: %s", r.addr, desc.name, exc)
+                reason = str(exc)
+            if reason and (desc.name, reason) not in logged:
+                logged.add((desc.name, reason))
+                log.warning("GPU memory of %s goes through host staging over TCP: %s", desc.name, reason)
 
 
 def _regions(desc: SegmentDesc) -> list[tuple[int, int, int]]:

@@ -22,6 +22,8 @@ __all__ = [
     "NATIVE_KEY",
     "BufferDesc",
     "GpuShare",
+    "gpu_uuid_bytes",
+    "gpu_uuid_text",
     "RegionDesc",
     "NativeInfo",
     "SegmentDesc",
@@ -53,9 +55,14 @@ class BufferDesc:
 class GpuShare:
     """A GPU region, and how a same-host peer can map it: a legacy CUDA IPC handle (``cuMemAlloc``
     memory), or VMM chunks (``cuMemCreate`` memory, e.g. torch's expandable segments) as file
-    descriptors of the owner's process.  Neither: peers still know it is GPU memory (TCP staging)."""
+    descriptors of the owner's process.  Neither: peers still know it is GPU memory (TCP staging).
+
+    ``device`` is the ordinal in the owner's process, which names another GPU (or none) in a
+    process with other visible devices; ``uuid`` names the GPU itself (``GPU-`` and the UUID as
+    nvidia-smi prints it; "" from peers that do not send it)."""
 
     device: int
+    uuid: str = ""
     ipc: str = ""  # 64-byte handle as hex, with the allocation base it maps
     base: int = 0
     vmm: tuple[tuple[int, int, int], ...] = ()  # (base, size, fd) per chunk, in address order
@@ -143,15 +150,18 @@ def _gpu_share(value: object, addr: int, length: int, where: str) -> GpuShare:
     """``{"dev"}`` plus ``"ipc"`` and ``"base"``, or ``"vmm"``: chunks that, side by side, cover the region."""
     c = _as_object(value, where)
     device = _req_uint(c, "dev", where, bound=1024)
+    uuid = _req_str(c, "uuid", where) if "uuid" in c else ""
+    if uuid and gpu_uuid_bytes(uuid) is None:
+        raise MalformedJsonError(f"{where}.uuid: not a GPU UUID")
     if "ipc" in c and "vmm" in c:
         raise MalformedJsonError(f"{where}: both ipc and vmm")
     if "ipc" in c:
         handle = _req_str(c, "ipc", where)
         if len(handle) != 128 or any(ch not in "0123456789abcdef" for ch in handle):
             raise MalformedJsonError(f"{where}.ipc: not a 64-byte hex handle")
-        return GpuShare(device, ipc=handle, base=_req_uint(c, "base", where))
+        return GpuShare(device, uuid, ipc=handle, base=_req_uint(c, "base", where))
     if "vmm" not in c:
-        return GpuShare(device)
+        return GpuShare(device, uuid)
     items = _req_list(c, "vmm", where)
     if not 0 < len(items) <= MAX_GPU_CHUNKS:
         raise MalformedJsonError(f"{where}.vmm: {len(items)} chunks (1 to {MAX_GPU_CHUNKS})")
@@ -168,7 +178,21 @@ def _gpu_share(value: object, addr: int, length: int, where: str) -> GpuShare:
         chunks.append((base, size, fd))
     if chunks[0][0] > addr or chunks[-1][0] + chunks[-1][1] < addr + length:
         raise MalformedJsonError(f"{where}.vmm: the chunks do not cover the region")
-    return GpuShare(device, vmm=tuple(chunks))
+    return GpuShare(device, uuid, vmm=tuple(chunks))
+
+
+def gpu_uuid_text(raw: bytes) -> str:
+    """A 16-byte GPU UUID as nvidia-smi prints it: ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def gpu_uuid_bytes(text: str) -> bytes | None:
+    """The 16 bytes of a UUID in ``gpu_uuid_text``'s form (``GPU-`` and dashes optional), or None."""
+    h = text.removeprefix("GPU-").replace("-", "")
+    if len(h) != 32 or any(ch not in "0123456789abcdefABCDEF" for ch in h):
+        return None
+    return bytes.fromhex(h)
 
 
 def _region_json(r: RegionDesc) -> dict[str, Any]:
@@ -176,7 +200,9 @@ def _region_json(r: RegionDesc) -> dict[str, Any]:
     if r.slot >= 0:
         out["slot"], out["gen"] = r.slot, r.gen
     if r.cuda is not None:
-        out["cuda"] = {"dev": r.cuda.device}
+        out["cuda"] = {"dev": r.cuda.device}  # the ordinal still, for peers that know no uuid
+        if r.cuda.uuid:
+            out["cuda"]["uuid"] = r.cuda.uuid
         if r.cuda.ipc:
             out["cuda"].update(ipc=r.cuda.ipc, base=r.cuda.base)
         if r.cuda.vmm:

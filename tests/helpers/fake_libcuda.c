@@ -7,13 +7,16 @@
  *   FAKE_CUDA_LOG    a file that gets one line per event: "retain <uuid>" (a primary context
  *                    retained), "pinned <uuid>" (pinned host memory made under that device's
  *                    context), "nocontext <call>" (a call that needs a current context had none),
- *                    "wrongdevice <call>" (a stream or mapping used under another device's context)
+ *                    "ipcopen <uuid>" (a peer's handle opened under that device's context),
+ *                    "wrongdevice <call>" (a copy on another device's stream, or a handle of a
+ *                    GPU this process does not see)
  *
- * Device memory is a shared mapping of a memfd, so that a CUDA IPC handle (pid, fd, size, UUID)
- * opens in another process through /proc/<pid>/fd; it opens only under a context of the device
- * with the handle's UUID (the real driver would map it on any device with peer access: the
- * strictness is what lets a test see which device the core chose).  Pointer queries need no
- * context, as on the real driver. */
+ * Device memory is a memfd mapped twice: at the address handed out with no access (the CPU
+ * cannot touch GPU memory, nor can process_vm_writev), and once more readable and writable for
+ * the fake's own copies.  The memfd is what lets a CUDA IPC handle (pid, fd, size, UUID)
+ * opens in another process through /proc/<pid>/fd, under the current context's device, if the
+ * handle's GPU is one this process sees (as peer access lets the real driver).  Pointer queries
+ * need no context, as on the real driver. */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
@@ -41,7 +44,8 @@ typedef struct {
     int dev;
 } fake_stream;
 typedef struct {
-    uint64_t base, size;
+    uint64_t base, size; /* the "device address": mapped PROT_NONE, as GPU memory is to the CPU */
+    char *shadow;        /* the same pages, readable and writable: what the fake copies through */
     int dev, fd, opened; /* opened: a peer's memory mapped by cuIpcOpenMemHandle */
 } fake_alloc;
 typedef struct {
@@ -171,14 +175,36 @@ static fake_alloc *find(uint64_t p)
     return NULL;
 }
 
-static fake_alloc *add(uint64_t base, uint64_t size, int dev, int fd, int opened)
+/* Map `fd` as device memory of `dev` (the current context's); its address, or 0. */
+static uint64_t map_device(int fd, uint64_t size, int dev, int opened)
 {
+    void *base = mmap(NULL, size, PROT_NONE, MAP_SHARED, fd, 0);
+    void *shadow = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED || shadow == MAP_FAILED) {
+        if (base != MAP_FAILED)
+            munmap(base, size);
+        if (shadow != MAP_FAILED)
+            munmap(shadow, size);
+        return 0;
+    }
+    pthread_mutex_lock(&mu);
     for (int i = 0; i < MAXALLOC; i++)
         if (!allocs[i].size) {
-            allocs[i] = (fake_alloc){base, size, dev, fd, opened};
-            return &allocs[i];
+            allocs[i] = (fake_alloc){(uint64_t)(uintptr_t)base, size, shadow, dev, fd, opened};
+            break;
         }
-    return NULL;
+    pthread_mutex_unlock(&mu);
+    return (uint64_t)(uintptr_t)base;
+}
+
+/* Where the fake reads or writes `p`: the shadow of device memory, host memory as it is. */
+static void *cpu_view(uint64_t p)
+{
+    pthread_mutex_lock(&mu);
+    fake_alloc *a = find(p);
+    void *v = a ? a->shadow + (p - a->base) : (void *)(uintptr_t)p;
+    pthread_mutex_unlock(&mu);
+    return v;
 }
 
 int cuPointerGetAttribute(void *data, int attr, uint64_t p)
@@ -223,17 +249,13 @@ int cuMemAlloc_v2(uint64_t *p, size_t size)
     if (!need_ctx("cuMemAlloc"))
         return E_INVALID_CONTEXT;
     int fd = memfd_create("fake-gpu", MFD_CLOEXEC);
-    void *m = fd >= 0 && ftruncate(fd, (off_t)size) == 0
-                  ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-    if (m == MAP_FAILED) {
+    uint64_t base = fd >= 0 && ftruncate(fd, (off_t)size) == 0 ? map_device(fd, size, current->dev, 0) : 0;
+    if (!base) {
         if (fd >= 0)
             close(fd);
         return 2; /* out of memory */
     }
-    pthread_mutex_lock(&mu);
-    add((uint64_t)(uintptr_t)m, size, current->dev, fd, 0);
-    pthread_mutex_unlock(&mu);
-    *p = (uint64_t)(uintptr_t)m;
+    *p = base;
     return OK;
 }
 
@@ -248,6 +270,7 @@ static int drop(uint64_t p, int opened)
     if (!gone.size)
         return E_INVALID_VALUE;
     munmap((void *)(uintptr_t)gone.base, gone.size);
+    munmap(gone.shadow, gone.size);
     close(gone.fd);
     return OK;
 }
@@ -305,23 +328,24 @@ int cuIpcOpenMemHandle_v2(uint64_t *p, fake_handle_arg handle, unsigned int flag
     const char *fail = getenv("FAKE_CUDA_IPC_FAIL");
     if ((fail && *fail == '1') || h.magic != 0x46414b45)
         return E_INVALID_HANDLE;
-    if (memcmp(h.uuid, uuids[current->dev], 16) != 0) {
+    int visible = 0;
+    for (int d = 0; d < ndev; d++)
+        visible |= memcmp(h.uuid, uuids[d], 16) == 0;
+    if (!visible) {
         note("wrongdevice cuIpcOpenMemHandle");
         return E_INVALID_DEVICE;
     }
+    note("ipcopen %s", hex(current->dev));
     char path[64];
     snprintf(path, sizeof path, "/proc/%d/fd/%d", h.pid, h.fd);
     int fd = open(path, O_RDWR | O_CLOEXEC);
-    void *m = fd >= 0 ? mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-    if (m == MAP_FAILED) {
+    uint64_t base = fd >= 0 ? map_device(fd, h.size, current->dev, 1) : 0;
+    if (!base) {
         if (fd >= 0)
             close(fd);
         return E_INVALID_HANDLE;
     }
-    pthread_mutex_lock(&mu);
-    add((uint64_t)(uintptr_t)m, h.size, current->dev, fd, 1);
-    pthread_mutex_unlock(&mu);
-    *p = (uint64_t)(uintptr_t)m;
+    *p = base;
     return OK;
 }
 
@@ -348,7 +372,7 @@ int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t len, void *stream)
         note("wrongdevice cuMemcpyAsync");
         return E_INVALID_HANDLE;
     }
-    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, len);
+    memmove(cpu_view(dst), cpu_view(src), len);
     return OK;
 }
 

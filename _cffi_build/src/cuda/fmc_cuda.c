@@ -301,10 +301,38 @@ int fmc_cuda_resolve_peer_device(const uint8_t *uuid16, int peer_ordinal)
     return cu.device_get_count(&count) == 0 && peer_ordinal >= 0 && peer_ordinal < count ? peer_ordinal : -1;
 }
 
+/* The device to map a same-host peer's GPU memory on (its handle opened, or its chunks made
+ * accessible, under that device's context; copies then run on that device's stream):
+ *   the peer's GPU itself where this process already holds a context on it;
+ *   else a GPU this process holds a context on (its own: the driver reaches the peer's GPU by
+ *   peer access), so that mapping makes no context on a GPU the process otherwise leaves alone;
+ *   FMC_MAP_NOT_VISIBLE where this process does not see the peer's GPU at all, and
+ *   FMC_MAP_NO_CONTEXT where it holds no context (it registered only host memory: it makes none,
+ *   and the peer stages those bytes through its own GPU instead). */
+int fmc_cuda_mapping_device(const uint8_t *uuid16, int peer_ordinal)
+{
+    int here = fmc_cuda_resolve_peer_device(uuid16, peer_ordinal);
+    if (here < 0)
+        return FMC_MAP_NOT_VISIBLE;
+    int chosen = FMC_MAP_NO_CONTEXT;
+    pthread_mutex_lock(&cu_mu);
+    if (here < FMC_CUDA_MAX_DEVICES && cu.ctx[here])
+        chosen = here;
+    for (int d = 0; d < FMC_CUDA_MAX_DEVICES && chosen < 0; d++)
+        if (cu.ctx[d])
+            chosen = d;
+    pthread_mutex_unlock(&cu_mu);
+    return chosen;
+}
+
+/* Reporting never loads the driver: a process that has not used it holds no context. */
 int fmc_cuda_contexts(int32_t *ordinals, uint8_t *uuids16, int cap)
 {
     int n = 0;
-    if (!fmc_cuda_available())
+    pthread_mutex_lock(&cu_mu);
+    int loaded = cu.state == 1;
+    pthread_mutex_unlock(&cu_mu);
+    if (!loaded)
         return 0;
     for (int d = 0; d < FMC_CUDA_MAX_DEVICES; d++) {
         pthread_mutex_lock(&cu_mu);
