@@ -317,35 +317,40 @@ class CorePeer:
 
     def set_region_gpu(self, addr: int, share: GpuShare) -> str:
         """A remote GPU region: remember it is GPU memory and, same host, map it here (CUDA IPC
-        handle or VMM chunks) on a device this process uses (``mapping_device``).  Returns "" when
-        mapped (or when the peer is on another host: nothing to map), else the reason its
-        bytes go through staging over TCP instead."""
-        if not self.same_host:
-            _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, share.device))
-            return ""
-        local = mapping_device(share)
-        if local < 0:
+        handle or VMM chunks) on a device this process uses (``mapping_device``).  Returns ""
+        when mapped (or when the peer is on another host: nothing to map), else the reason its
+        bytes go through staging over TCP instead; raises for a region the peer does not list
+        or chunks that do not cover it."""
+        local = share.device  # off the same-host path only a mark: "GPU memory"
+        why = ""
+        if self.same_host:
+            local = mapping_device(share)
+            if local == lib.FMC_MAP_NO_CONTEXT:
+                why = "this process uses no GPU (it makes no CUDA context to map the peer's)"
+            elif local < 0:
+                why = f"the peer's GPU {share.uuid or share.device} is not visible in this process"
+        if why:
             # Known to be GPU memory all the same: its bytes must never go to process_vm_*.
             _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, share.device))
-            if local == lib.FMC_MAP_NO_CONTEXT:
-                return "this process uses no GPU (it makes no CUDA context to map the peer's)"
-            return f"the peer's GPU {share.uuid or share.device} is not visible in this process"
+            return why
         if share.vmm:
-            bases, sizes, fds = zip(*share.vmm)
+            bases, sizes, fds = zip(*share.vmm, strict=True)
             rc = lib.fmc_peer_set_region_vmm(self._ptr, addr, local, len(bases), ffi.new("uint64_t[]", bases),
                                              ffi.new("uint64_t[]", sizes), ffi.new("int32_t[]", fds))
         elif share.ipc:
             rc = lib.fmc_peer_set_region_ipc(self._ptr, addr, bytes.fromhex(share.ipc), share.base, local)
         else:
-            _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, local))
-            return "the peer cannot share that GPU memory"
+            rc = lib.fmc_peer_set_region_device(self._ptr, addr, local)
+            if rc >= 0 and self.same_host:
+                return "the peer cannot share that GPU memory"
         if rc >= 0:
             return ""
-        if rc == lib.FMC_ERR_ADDRESS_NOT_REGISTERED:
+        reason = last_error()
+        if rc != lib.FMC_ERR_ADDRESS_NOT_REGISTERED:
+            lib.fmc_peer_set_region_device(self._ptr, addr, local)
+        if rc in (lib.FMC_ERR_ADDRESS_NOT_REGISTERED, lib.FMC_ERR_INVALID_ARGUMENT):
             _raise_for(rc)
-        reason = f"cannot map the peer's GPU memory: {last_error()}"
-        _raise_for(lib.fmc_peer_set_region_device(self._ptr, addr, local))
-        return reason
+        return f"cannot map the peer's GPU memory: {reason}"
 
     def connect(self, timeout_ms: int) -> None:
         """Open every data stream (blocking; run it off the event loop)."""

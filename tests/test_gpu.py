@@ -370,3 +370,136 @@ def test_torch_expandable_segments_register_whole_and_move_same_host():
             child.kill()
             child.wait()
         child.stdout.close()
+
+
+# ---------------------------------------------------------------- which GPUs a process touches
+
+def _smi(*query: str) -> list[list[str]]:
+    """Rows of an nvidia-smi CSV query ([] where nvidia-smi is missing or fails)."""
+    try:
+        out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def _used_mib(uuid: str) -> int | None:
+    rows = _smi("--query-gpu=uuid,memory.used")
+    used = [int(row[1]) for row in rows if row[0] == uuid]
+    return used[0] if used else None
+
+
+def _gpus_of(pid: int) -> set[str]:
+    """UUIDs of the GPUs nvidia-smi lists process `pid` on (empty also where the container's PID
+    namespace hides it: callers check stats() and used memory as well)."""
+    return {row[0] for row in _smi("--query-compute-apps=gpu_uuid,pid") if len(row) > 1 and row[1] == str(pid)}
+
+
+def test_host_only_process_creates_no_cuda_context():
+    """A process that registers only host memory makes no CUDA context, whether it writes to a
+    peer's GPU over TCP or same host (where it cannot map the peer's memory without one: the
+    peer stages those bytes through its own GPU): stats() lists none, nvidia-smi does not list
+    the process, and the GPU's used memory does not grow by a context's worth."""
+    from flagcx_mc._core import device_uuid
+
+    uuid = device_uuid(0)
+    target = NodeProcess(regions=[4096])
+    target.call("add_region", size=SIZE, device=0)
+    remote = _region_addr(target, 1)
+    before = _used_mib(uuid)
+    nodes = [NodeProcess(regions=[SIZE], config={"transport": t, "transfer_timeout": 30.0}) for t in ("tcp", "auto")]
+    try:
+        for node in nodes:
+            served = target.call("stats")["bytes_served_in"]
+            digest = node.call("fill", region=0)["digest"]
+            assert node.call("transfer", op="write", target=target.session, items=[[0, 0, remote, SIZE]])["rc"] == 0
+            assert target.call("digest", region=1, length=SIZE)["digest"] == digest
+            assert target.call("stats")["bytes_served_in"] - served == SIZE  # staged by the target
+            stats = node.call("stats")
+            assert stats["cuda_contexts"] == [] and stats["cuda_context_uuids"] == []
+            assert _gpus_of(node.pid) == set()
+        after = _used_mib(uuid)
+        if before is not None and after is not None:
+            assert after - before < 128, f"used memory grew from {before} to {after} MiB"
+    finally:
+        for node in nodes:
+            node.close()
+        target.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_gpu_transfers_retain_exactly_the_device_they_use(transport):
+    """A process whose memory is on the last GPU, writing to and reading from a peer's GPU over
+    TCP (host staging) or same host (CUDA IPC), holds a context on that GPU alone (on an
+    eight-GPU host, none on GPU 0)."""
+    from flagcx_mc._core import device_uuid
+
+    dev = _COUNT - 1
+    target = NodeProcess(regions=[4096])
+    target.call("add_region", size=SIZE, device=dev)
+    node = NodeProcess(regions=[4096], config={"transport": transport, "transfer_timeout": 30.0})
+    try:
+        node.call("add_region", size=SIZE, device=dev)
+        remote = _region_addr(target, 1)
+        served = target.call("stats")["bytes_served_in"]
+        digest = node.call("fill", region=1)["digest"]
+        assert node.call("transfer", op="write", target=target.session, items=[[1, 0, remote, SIZE]])["rc"] == 0
+        assert target.call("digest", region=1, length=SIZE)["digest"] == digest
+        assert target.call("stats")["bytes_served_in"] - served == (SIZE if transport == "tcp" else 0)
+        digest = target.call("fill", region=1, length=SIZE)["digest"]
+        assert node.call("transfer", op="read", target=target.session, items=[[1, 0, remote, SIZE]])["rc"] == 0
+        assert node.call("digest", region=1)["digest"] == digest
+        for n in (node, target):
+            stats = n.call("stats")
+            assert stats["cuda_contexts"] == [dev] and stats["cuda_context_uuids"] == [device_uuid(dev)]
+            assert _gpus_of(n.pid) <= {device_uuid(dev)}
+    finally:
+        node.close()
+        target.close()
+
+
+def test_peer_gpu_not_visible_here_falls_back_with_one_reason(monkeypatch, caplog):
+    """A same-host peer whose descriptor names a GPU this process does not see (as with another
+    CUDA_VISIBLE_DEVICES; here its UUID is replaced on the way in): the bytes still move, through
+    host staging over TCP, verified by content, and the reason is logged once."""
+    import dataclasses
+    import logging
+
+    from flagcx_mc.engine import sessions
+
+    unseen = "GPU-ffffffff-0000-0000-0000-000000000000"
+    real = sessions._set_regions
+
+    def elsewhere(peer, desc, logged):
+        if desc.native is not None:
+            regions = tuple(dataclasses.replace(r, cuda=dataclasses.replace(r.cuda, uuid=unseen))
+                            if r.cuda is not None else r for r in desc.native.regions)
+            desc = dataclasses.replace(desc, native=dataclasses.replace(desc.native, regions=regions))
+        real(peer, desc, logged)
+
+    monkeypatch.setattr(sessions, "_set_regions", elsewhere)
+    node = NodeProcess(regions=[4096])
+    node.call("add_region", size=SIZE, device=0)
+    eng = TransferEngine(transfer_timeout=30.0, transport="auto")
+    src = DeviceBuffer(SIZE, 0)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(src.addr, SIZE) == 0
+        remote = _region_addr(node, 1)
+        with caplog.at_level(logging.WARNING, logger="flagcx_mc"):
+            for _ in range(2):
+                served = node.call("stats")["bytes_served_in"]
+                digest = src.fill_random()
+                assert eng.transfer_sync_write(node.session, src.addr, remote, SIZE) == 0
+                assert node.call("digest", region=1, length=SIZE)["digest"] == digest
+                assert node.call("stats")["bytes_served_in"] - served == SIZE
+            digest = node.call("fill", region=1, length=SIZE)["digest"]
+            assert eng.transfer_sync_read(node.session, src.addr, remote, SIZE) == 0
+            assert src.digest() == digest
+        reasons = [r.getMessage() for r in caplog.records if unseen in r.getMessage()]
+        assert len(reasons) == 1, reasons
+    finally:
+        eng.close()
+        node.close()
+        src.close()

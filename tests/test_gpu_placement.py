@@ -74,7 +74,7 @@ def _write_and_check(src: NodeProcess, src_region: int, dst: NodeProcess, dst_re
     assert src.call("digest", region=src_region)["digest"] == digest
     assert src.call("guards")["intact"] and dst.call("guards")["intact"]
     after = dst.call("stats")
-    return (after["bytes_served_in"] - before["bytes_served_in"]) + (after["bytes_served_out"] - before["bytes_served_out"])
+    return sum(after[k] - before[k] for k in ("bytes_served_in", "bytes_served_out"))
 
 
 def test_uuid_text_round_trip_and_descriptor_keeps_the_ordinal():
