@@ -242,7 +242,7 @@ def test_device_choice_by_uuid_ordinal_and_contexts_held(fake_driver, tmp_path):
     fake = _Fake(fake_driver, tmp_path, "choice", [U1, U0])
     env = dict(os.environ, **fake.env)
     proc = subprocess.run([sys.executable, "-c", _CHOICE_SCRIPT % {"u0": U0, "u1": U1, "u2": U2}],
-                          env=env, capture_output=True, text=True, timeout=60, check=True)
+                          env=env, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     not_visible, no_context = out["codes"]
     assert out["resolve"] == {"u0": 1, "u1": 0, "u2": -1, "dev1": 1, "dev7": -1}
