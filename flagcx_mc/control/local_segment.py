@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import os
 import secrets
@@ -23,9 +24,8 @@ from ..metadata.descriptor import (
     NativeInfo,
     RegionDesc,
     SegmentDesc,
+    TableEncoder,
     TablePage,
-    encode_table,
-    table_costs,
 )
 from ..names import TransferNotify
 from .codec import DEFAULT_MAX_LENGTH, Message, MessageType
@@ -64,7 +64,8 @@ class _Snapshot:
     inputs: tuple
     desc: SegmentDesc
     version: str
-    ends: list[int]  # ends[i]: table_costs of regions 0..i together
+    table: TableEncoder
+    ends: list[int]  # ends[i]: the costs of regions 0..i together (TableEncoder.costs)
     whole: dict[str, Any] | None = None  # the answer to initiators that do not page, once built
 
 
@@ -119,12 +120,10 @@ class LocalSegment:
             buffers=tuple(BufferDesc(name=self.name, addr=a, length=n) for a, n, _ in table),
             native=self._native(regions),
         )
-        ends, total = [], 0
-        for cost in table_costs(regions):
-            total += cost
-            ends.append(total)
+        encoder = TableEncoder(regions)
         self._versions += 1
-        self._snap = _Snapshot(inputs, desc, f"{self._epoch}.{self._versions}", ends)
+        self._snap = _Snapshot(inputs, desc, f"{self._epoch}.{self._versions}", encoder,
+                               list(itertools.accumulate(encoder.costs())))
         return self._snap
 
     def _native(self, regions: tuple[RegionDesc, ...]) -> NativeInfo:
@@ -196,7 +195,7 @@ class LocalSegment:
                 log.warning("region %#x (%d of %d) cannot be described in a %d-byte handshake frame",
                             regions[start].addr, start, total, limit)
                 return {"error": f"region {start} of {total} does not fit a {limit}-byte handshake frame"}
-            head["table"] = encode_table(regions[start:stop], TablePage(snap.version, start, total))
+            head["table"] = snap.table.encode(start, stop, TablePage(snap.version, start, total))
             if len(orjson.dumps(out)) + _REPLY_RESERVE <= limit:
                 return out
             stop = start + (stop - start) // 2  # table_costs is an upper bound: never expected

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import datetime
 import struct
 from collections.abc import Mapping, Sequence
@@ -39,10 +40,10 @@ __all__ = [
     "SegmentDesc",
     "TABLE_PAGE_SLACK",
     "TablePage",
+    "TableEncoder",
     "decode_table",
     "encode_table",
     "now_timestamp",
-    "table_costs",
 ]
 
 NATIVE_KEY = "flagcx_mc"
@@ -130,15 +131,15 @@ class NativeInfo:
             out["table"] = encode_table(self.regions)
         else:
             out["regions"] = [_region_json(r) for r in self.regions]
-        out["boot_id"], out["pid"] = self.boot_id, self.pid
-        if self.shm_fd >= 0:
-            out["shm_fd"], out["shm_addr"] = self.shm_fd, self.shm_addr
+        out.update(self.header_json())
         return out
 
     def header_json(self) -> dict[str, Any]:
-        """The block without its regions (``to_json_dict`` minus ``table``/``regions``)."""
-        out = self.to_json_dict(compact=True)
-        del out["table"]
+        """The block's keys other than its regions (``version`` and ``data_port`` included)."""
+        out: dict[str, Any] = {"version": self.version, "data_port": self.data_port,
+                               "boot_id": self.boot_id, "pid": self.pid}
+        if self.shm_fd >= 0:
+            out["shm_fd"], out["shm_addr"] = self.shm_fd, self.shm_addr
         return out
 
     @classmethod
@@ -256,59 +257,75 @@ def encode_table(regions: Sequence[RegionDesc], page: TablePage | None = None) -
     what the list form carries under those keys, and are left out when empty.  A page of a
     longer table adds ``version``, ``start`` and ``total`` (``TablePage``).
     """
-    addrs, lengths, slots, gens = _differences(regions)
-    out: dict[str, Any] = {
-        "n": len(regions),
-        "addr": addrs,
-        "length": lengths,
-        "key": base64.b64encode(struct.pack(f"<{len(regions)}I", *(r.key for r in regions))).decode("ascii"),
-    }
-    if any(r.slot >= 0 for r in regions):
-        out["slot"], out["gen"] = slots, gens
-    cuda = {str(i): _cuda_json(r.cuda) for i, r in enumerate(regions) if r.cuda is not None}
-    if cuda:
-        out["cuda"] = cuda
-    shm = {str(i): [r.shm[0], r.shm[1]] for i, r in enumerate(regions) if r.shm is not None}
-    if shm:
-        out["shm"] = shm
-    if page is not None:
-        out["version"], out["start"], out["total"] = page.version, page.start, page.total
-    return out
+    return TableEncoder(regions).encode(0, len(regions), page)
 
 
-def _differences(regions: Sequence[RegionDesc]) -> tuple[list[int], list[int], list[int], list[int]]:
-    addrs, lengths, slots, gens = [], [], [], []
-    end = length = gen = 0
-    slot = -1
-    for r in regions:
-        addrs.append(r.addr - end)
-        lengths.append(r.length - length)
-        slots.append(r.slot - slot)
-        gens.append(r.gen - gen)
-        end, length, slot, gen = r.addr + r.length, r.length, r.slot, r.gen
-    return addrs, lengths, slots, gens
+class TableEncoder:
+    """``encode_table`` for any run of one table's regions: the differences are worked out once,
+    so that a page costs a slice of them."""
+
+    def __init__(self, regions: Sequence[RegionDesc]) -> None:
+        self.regions = regions
+        addrs, lengths, slots, gens = [], [], [], []
+        end = length = gen = 0
+        slot = -1
+        for r in regions:
+            addrs.append(r.addr - end)
+            lengths.append(r.length - length)
+            slots.append(r.slot - slot)
+            gens.append(r.gen - gen)
+            end, length, slot, gen = r.addr + r.length, r.length, r.slot, r.gen
+        self._columns = (addrs, lengths, slots, gens)
+        self._keys = struct.pack(f"<{len(regions)}I", *(r.key for r in regions))
+        self._with_slots = any(r.slot >= 0 for r in regions)
+        self._extras = [i for i, r in enumerate(regions) if r.cuda is not None or r.shm is not None]
+
+    def costs(self) -> list[int]:
+        """An upper bound of the bytes each region adds to the JSON text, for cutting the table
+        into pages that fit a frame.  A page's first region is written from zero rather than
+        from the region before: allow ``TABLE_PAGE_SLACK`` bytes per page for that."""
+        addrs, lengths, slots, gens = self._columns
+        # Two commas, and a key's 5.33 base64 characters.
+        costs = [len(str(a)) + len(str(n)) + 8 for a, n in zip(addrs, lengths, strict=True)]
+        if self._with_slots:
+            costs = [c + len(str(s)) + len(str(g)) + 2 for c, s, g in zip(costs, slots, gens, strict=True)]
+        for i in self._extras:
+            r = self.regions[i]
+            if r.cuda is not None:
+                costs[i] += len(orjson.dumps(_cuda_json(r.cuda))) + 12  # "index": and a comma
+            if r.shm is not None:
+                costs[i] += len(orjson.dumps([r.shm[0], r.shm[1]])) + 12
+        return costs
+
+    def encode(self, start: int, stop: int, page: TablePage | None = None) -> dict[str, Any]:
+        """Regions ``start`` to ``stop`` (not included) as a table of their own."""
+        regions = self.regions
+        columns = [c[start:stop] for c in self._columns]
+        if start < stop:  # the first region from zero, not from the one before
+            first = regions[start]
+            columns[0][0], columns[1][0], columns[2][0], columns[3][0] = (
+                first.addr, first.length, first.slot + 1, first.gen)
+        out: dict[str, Any] = {
+            "n": stop - start,
+            "addr": columns[0],
+            "length": columns[1],
+            "key": base64.b64encode(self._keys[4 * start:4 * stop]).decode("ascii"),
+        }
+        if self._with_slots:
+            out["slot"], out["gen"] = columns[2], columns[3]
+        inside = self._extras[bisect.bisect_left(self._extras, start):bisect.bisect_left(self._extras, stop)]
+        cuda = {str(i - start): _cuda_json(c) for i in inside if (c := regions[i].cuda) is not None}
+        if cuda:
+            out["cuda"] = cuda
+        shm = {str(i - start): [m[0], m[1]] for i in inside if (m := regions[i].shm) is not None}
+        if shm:
+            out["shm"] = shm
+        if page is not None:
+            out["version"], out["start"], out["total"] = page.version, page.start, page.total
+        return out
 
 
-def table_costs(regions: Sequence[RegionDesc]) -> list[int]:
-    """An upper bound of the bytes each region adds to ``encode_table``'s JSON text, for cutting a
-    table into pages that fit a frame.  A page's first region is written from zero rather than
-    from the region before: allow ``TABLE_PAGE_SLACK`` bytes per page for that."""
-    addrs, lengths, slots, gens = _differences(regions)
-    with_slots = any(r.slot >= 0 for r in regions)
-    costs = []
-    for i, r in enumerate(regions):
-        cost = len(str(addrs[i])) + len(str(lengths[i])) + 2 + 6  # two commas; a key is 5.33 base64 characters
-        if with_slots:
-            cost += len(str(slots[i])) + len(str(gens[i])) + 2
-        if r.cuda is not None:
-            cost += len(orjson.dumps(_cuda_json(r.cuda))) + 12  # "index": and a comma
-        if r.shm is not None:
-            cost += len(orjson.dumps([r.shm[0], r.shm[1]])) + 12
-        costs.append(cost)
-    return costs
-
-
-TABLE_PAGE_SLACK = 256  # table_costs' allowance per page: a first region's full numbers, the keys' padding
+TABLE_PAGE_SLACK = 256  # TableEncoder.costs' allowance per page: a first region's full numbers, the keys' padding
 
 
 def decode_table(value: object, where: str) -> tuple[list[RegionDesc], TablePage | None]:
