@@ -14,10 +14,18 @@ from support.servers import mooncake_missing
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine, errors
 from flagcx_mc._testing.node import NodeProcess
-from flagcx_mc.control.codec import MessageType
-from flagcx_mc.control.handshake import request
+from flagcx_mc.control.codec import Message, MessageType
+from flagcx_mc.control.handshake import HandshakeServer, request
 from flagcx_mc.control.resolvers import P2PResolver
-from flagcx_mc.metadata.descriptor import NATIVE_KEY, PAGE_KEY, SegmentDesc
+from flagcx_mc.metadata.descriptor import (
+    NATIVE_KEY,
+    PAGE_KEY,
+    BufferDesc,
+    NativeInfo,
+    RegionDesc,
+    SegmentDesc,
+    decode_table,
+)
 from flagcx_mc.metadata.server import MetadataServer
 from flagcx_mc.net.addresses import parse_host_port
 
@@ -295,3 +303,59 @@ async def test_large_descriptor_in_http_store(bufs):
             assert target._state._core.region_table() == []
     finally:
         await small.close()
+
+
+async def test_pages_signed_with_a_secret(bufs):
+    """With a shared secret every page is a signed request and a signed reply."""
+    n = 3000
+    target_buf = bufs(n * BLOCK)
+    async with AsyncTransferEngine(secret="pages") as target:
+        await target.initialize("127.0.0.1")
+        await target.batch_register_memory(*_adjacent(target_buf, n))
+        _, _, desc = await P2PResolver(dict, timeout=5.0, secret=b"pages", max_length=8192).resolve(target.session_name)
+        assert desc.native is not None and len(desc.native.regions) == n
+        with pytest.raises(errors.HandshakeRejectedError):
+            await P2PResolver(dict, timeout=5.0, max_length=8192).resolve(target.session_name)
+
+
+async def test_target_without_pages():
+    """A target that ignores the page request (flagcx_mc before pages) answers the list form whole,
+    and that is the descriptor."""
+    regions = tuple(RegionDesc(0x7F00_0000_0000 + i * BLOCK, BLOCK, i + 1) for i in range(50))
+    buffers = tuple(BufferDesc("old", r.addr, r.length) for r in regions)
+    native = NativeInfo(1, 16011, regions, "boot", 4242)
+    desc = SegmentDesc(name="old", tcp_data_port=16011, buffers=buffers, native=native)
+
+    async def metadata(message: Message) -> dict:
+        return desc.to_json_dict()
+
+    async with HandshakeServer({MessageType.METADATA: metadata}) as server:
+        await server.start("127.0.0.1", 0)
+        _, _, got = await P2PResolver(dict, timeout=5.0).resolve(f"127.0.0.1:{server.port}")
+    assert got.native is not None and got.native.regions == regions and got.buffers == desc.buffers
+
+
+_GOOD_TABLE = {"n": 2, "addr": [4096, 0], "length": [4096, 0], "key": "AQAAAAIAAAA=", "slot": [1, 1], "gen": [1, 0]}
+
+
+@pytest.mark.parametrize("change", [
+    {"key": "AQAAAA=="},  # one key for two regions
+    {"key": "not base64!"},
+    {"addr": [4096]},
+    {"length": [4096, True]},
+    {"addr": [2**64 - 4096, 0]},  # the second region would start at 2**64
+    {"slot": [-5, 0]},
+    {"cuda": {"2": {"dev": 0}}},  # no region 2
+    {"shm": {"0": [3, 1]}},  # not the region's length
+    {"version": "v", "start": 1, "total": 2},  # runs past the table's end
+])
+def test_malformed_tables_are_refused(change):
+    table = {**_GOOD_TABLE, **change}
+    with pytest.raises(errors.MalformedJsonError):
+        decode_table(table, "t")
+
+
+def test_table_decodes():
+    regions, page = decode_table(_GOOD_TABLE, "t")
+    assert page is None
+    assert regions == [RegionDesc(4096, 4096, 1, 0, 1), RegionDesc(8192, 4096, 2, 1, 1)]
