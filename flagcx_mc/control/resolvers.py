@@ -7,12 +7,13 @@ live under Mooncake's keys (``mooncake/ram/<name>``, ``mooncake/rpc_meta/<name>`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Protocol
 
 from .. import errors
-from ..metadata.descriptor import SegmentDesc
+from ..metadata.descriptor import PAGE_KEY, BufferDesc, NativeInfo, RegionDesc, SegmentDesc
 from ..metadata.keys import rpc_meta_key, segment_key
 from ..metadata.store import MetadataStore
 from ..net.addresses import parse_host_port
@@ -32,7 +33,18 @@ class Resolver(Protocol):
 
 
 class P2PResolver:
-    """Ask the peer: a Metadata round trip on its rpc port (our descriptor goes with it)."""
+    """Ask the peer: Metadata round trips on its rpc port.
+
+    The request carries our descriptor without regions (``LocalSegment.request_json``) and asks
+    for the table in pages (``PAGE_KEY``).  A flagcx_mc target answers with as many regions as fit
+    one frame and where they sit in its table; the rest comes with further requests, one
+    connection each, all of one table version.  A page of another version (the target's regions
+    changed meanwhile) starts the reading over, at most ``MAX_TABLE_READS`` times; a partial table
+    is never used.  Mooncake targets, and flagcx_mc targets from before pages, ignore the request
+    key and answer the whole descriptor.
+    """
+
+    MAX_TABLE_READS = 8
 
     def __init__(self, local_desc: Callable[[], dict], timeout: float, secret: bytes | None = None,
                  max_length: int = DEFAULT_MAX_LENGTH) -> None:
@@ -46,9 +58,51 @@ class P2PResolver:
             host, port = parse_host_port(name)
         except errors.FlagcxMcError as exc:
             raise errors.InvalidArgumentError(f"bad session name {name!r}: {exc}") from None
-        reply = await authed_request(self._secret, host, port, MessageType.METADATA, self._local_desc(),
+        local = self._local_desc()
+        for _ in range(self.MAX_TABLE_READS):
+            desc = await self._page(host, port, local, 0, None)
+            native = desc.native
+            if native is None or native.page is None:
+                return host, port, desc
+            regions = list(native.regions)
+            while len(regions) < native.page.total:
+                more = (await self._page(host, port, local, len(regions), native.page.version)).native
+                if not _same_table(native, more, len(regions)):
+                    log.info("%s: its region table changed while it was being read; reading it again", name)
+                    break
+                assert more is not None
+                if not more.regions:
+                    raise errors.RemoteProtocolError(f"{name} sent an empty page of its region table")
+                regions.extend(more.regions)
+            else:
+                return host, port, _whole(desc, regions)
+        raise errors.HandshakeRejectedError(
+            f"{name}: its region table changed during each of {self.MAX_TABLE_READS} readings")
+
+    async def _page(self, host: str, port: int, local: dict, start: int, version: str | None) -> SegmentDesc:
+        want: dict = {"start": start, "max_length": self._max_length}
+        if version is not None:
+            want["version"] = version
+        reply = await authed_request(self._secret, host, port, MessageType.METADATA, {**local, PAGE_KEY: want},
                                      timeout=self._timeout, max_length=self._max_length)
-        return host, port, SegmentDesc.from_json_dict(reply)
+        return SegmentDesc.from_json_dict(reply)
+
+
+def _same_table(first: NativeInfo, page: NativeInfo | None, start: int) -> bool:
+    """``page`` continues, at region ``start``, the table whose first page is ``first``."""
+    return (page is not None and page.page is not None and first.page is not None
+            and page.page.version == first.page.version and page.page.start == start
+            and page.page.total == first.page.total and page.pid == first.pid
+            and page.boot_id == first.boot_id and page.data_port == first.data_port)
+
+
+def _whole(desc: SegmentDesc, regions: list[RegionDesc]) -> SegmentDesc:
+    """The first page's descriptor with every page's regions (and Mooncake's ``buffers`` for
+    them: the pages leave them out)."""
+    assert desc.native is not None
+    native = dataclasses.replace(desc.native, regions=tuple(regions), page=None)
+    buffers = tuple(BufferDesc(desc.name, r.addr, r.length) for r in regions)
+    return dataclasses.replace(desc, native=native, buffers=buffers)
 
 
 class StoreResolver:
@@ -67,7 +121,10 @@ class StoreResolver:
         host, port = meta.get("ip_or_host_name"), meta.get("rpc_port")
         if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
             raise errors.MalformedJsonError(f"bad rpc_meta entry for {name!r}: {meta!r}")
-        return host, port, SegmentDesc.from_json_dict(raw)
+        desc = SegmentDesc.from_json_dict(raw)
+        if desc.native is not None and not desc.native.complete:
+            raise errors.MalformedJsonError(f"the metadata server holds part of {name!r}'s region table")
+        return host, port, desc
 
     async def publish(self, name: str, host: str, port: int, desc: dict) -> None:
         """Claim ``name``.  An entry left by a dead engine (a restart) is replaced; one whose

@@ -99,7 +99,8 @@ class EngineState:
             if secret is not None:
                 self._core.set_secret(secret)
             self._core.accept_mooncake_wire(self.config.accept_mooncake_wire)
-            self._segment = LocalSegment(self._core, self.notifies, self._shared_mappings)
+            self._segment = LocalSegment(self._core, self.notifies, self._shared_mappings,
+                                         self.config.handshake_max_length)
             self._server = HandshakeServer(guard_handlers(self._segment.handlers(), secret),
                                            max_length=self.config.handshake_max_length)
             self.rpc_port = await self._server.start(host, None, port_range=self.config.rpc_port_range)
@@ -108,7 +109,7 @@ class EngineState:
             self.name = format_host_port(host, self.rpc_port) if store is None else local_hostname
             self._segment.name = self.name
             if store is None:
-                resolver: Any = P2PResolver(self._segment.desc_json, self.config.handshake_timeout, secret,
+                resolver: Any = P2PResolver(self._segment.request_json, self.config.handshake_timeout, secret,
                                             self.config.handshake_max_length)
             else:
                 resolver = self.store = StoreResolver(store)
