@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+
 from .. import errors
 from .._core import CoreBatch, last_error
 

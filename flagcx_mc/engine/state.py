@@ -280,18 +280,19 @@ class EngineState:
             batch = req.submit(session)
         except errors.FlagcxMcError as exc:
             return exc.code, str(exc)
-        outcome = outcome_now(batch)
+        outcome: tuple[int, str] | None = outcome_now(batch)
         if outcome is None:
             assert self._completions is not None
             deadline = time.monotonic() + self.config.timeout_for(req.total_bytes)
             future = self._completions.wait(batch, deadline)
             try:
-                outcome = await asyncio.shield(future)
+                outcome = await asyncio.shield(future)  # (rc, why)
             except asyncio.CancelledError:
                 # Wait for the batch's end (its deadline bounds it) rather than cancel it: a
                 # cancel cuts the stream, which would fail other calls' batches riding on it.
                 await _finish(future)
                 raise
+        assert outcome is not None
         if outcome[0] == 0:  # submitted batches are not counted by the core: count here
             self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
         return outcome

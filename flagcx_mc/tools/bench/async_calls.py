@@ -59,6 +59,33 @@ def _sync_rate(call: Callable[[], Any], seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _calls(sync: Any, initiator: Any, name: str, src: int, dst: int, block: int,
+           count: int) -> tuple[Callable[..., Any], Callable[[int], Awaitable[None]]]:
+    """The sync and async call of one shape; coroutine ``w`` uses its own slot of both buffers."""
+    stride = block * count
+    lengths = [block] * count
+
+    def addrs(base: int, w: int) -> list[int]:
+        start = base + (w % max(CONCURRENCY)) * stride
+        return [start + i * block for i in range(count)]
+
+    if count == 1:
+        def sync_call(w: int = 0) -> Any:
+            off = (w % max(CONCURRENCY)) * stride
+            return sync.transfer_sync_write(name, src + off, dst + off, block)
+
+        async def async_call(w: int) -> None:
+            off = w * stride
+            await initiator.transfer_sync_write(name, src + off, dst + off, block)
+    else:
+        def sync_call(w: int = 0) -> Any:
+            return sync.batch_transfer_sync_write(name, addrs(src, w), addrs(dst, w), lengths)
+
+        async def async_call(w: int) -> None:
+            await initiator.batch_transfer_sync_write(name, addrs(src, w), addrs(dst, w), lengths)
+    return sync_call, async_call
+
+
 async def _one_transport(transport: str, seconds: float, rounds: int) -> list[dict]:
     from ... import AsyncTransferEngine, HostBuffer, TransferEngine
 
@@ -77,29 +104,9 @@ async def _one_transport(transport: str, seconds: float, rounds: int) -> list[di
         await asyncio.to_thread(sync.register_memory, src.addr, src.size)
         name = target.session_name
         for block, count in ASYNC_SHAPES:
-            stride = block * count
-            lengths = [block] * count
+            sync_call, async_call = _calls(sync, initiator, name, src.addr, dst.addr, block, count)
 
-            def addrs(base: int, w: int) -> list[int]:
-                start = base + (w % max(CONCURRENCY)) * stride
-                return [start + i * block for i in range(count)]
-
-            if count == 1:
-                def sync_call(w: int = 0) -> Any:
-                    off = (w % max(CONCURRENCY)) * stride
-                    return sync.transfer_sync_write(name, src.addr + off, dst.addr + off, block)
-
-                async def async_call(w: int) -> None:
-                    off = w * stride
-                    await initiator.transfer_sync_write(name, src.addr + off, dst.addr + off, block)
-            else:
-                def sync_call(w: int = 0) -> Any:
-                    return sync.batch_transfer_sync_write(name, addrs(src.addr, w), addrs(dst.addr, w), lengths)
-
-                async def async_call(w: int) -> None:
-                    await initiator.batch_transfer_sync_write(name, addrs(src.addr, w), addrs(dst.addr, w), lengths)
-
-            async def threaded_call(w: int) -> None:
+            async def threaded_call(w: int, sync_call: Callable[..., Any] = sync_call) -> None:
                 rc = await asyncio.to_thread(sync_call, w)
                 if rc != 0:
                     raise RuntimeError(f"sync call returned {rc}")
@@ -134,7 +141,7 @@ def run_async_bench(transports: tuple[str, ...] = ("same-host", "tcp"), seconds:
         return rows
 
     if loop == "uvloop":
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop
 
         rows = uvloop.run(main())
     else:
