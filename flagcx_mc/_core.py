@@ -397,6 +397,10 @@ class CoreBatch:
         rc = lib.fmc_batch_wait(self._ptr, int(timeout_ms))
         return rc, (last_error() if rc < 0 else "")
 
+    def wait_done(self, timeout_ms: int) -> int:
+        """``poll`` after waiting up to ``timeout_ms`` for the end; never cancels."""
+        return int(lib.fmc_batch_wait_done(self._ptr, int(timeout_ms)))
+
     def poll(self) -> int:
         """1 done, 0 in progress, negative: failed with that code."""
         return int(lib.fmc_batch_poll(self._ptr))

@@ -273,8 +273,8 @@ class AsyncTransferEngine:
             return None
         with self._state.metrics.failure_counted(target, req.opcode == OP_WRITE, req.total_bytes):
             session = await sessions.get(target)
-            rc, why = await self._in_executor(req.run, session, self._state.config)
-            return await self._state.settle(target, req, session, rc, why)  # the core counted it (metrics.py)
+            rc, why = await self._state.transfer(target, req, session)
+            return await self._state.settle(target, req, session, rc, why)
 
     # ------------------------------------------------------------------ asynchronous batches
 

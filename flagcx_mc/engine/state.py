@@ -29,9 +29,10 @@ from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
 from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
+from .completions import Completions, outcome_now
 from .managed import ManagedPool
 from .metrics import EngineMetrics
-from .requests import SingleTransfer, TransferRequest, needs_refresh, opcode_name
+from .requests import OP_WRITE, SingleTransfer, TransferRequest, needs_refresh, opcode_name
 from .sessions import Session, SessionCache
 
 __all__ = ["EngineState"]
@@ -42,6 +43,9 @@ T = TypeVar("T")
 
 _LOG_DRAIN_INTERVAL = 1.0
 _MAX_QUEUED_NOTIFIES = 65536
+# On one host a transfer's copy runs inside submit: up to this many bytes it is short enough to
+# run on the event loop; larger ones take an executor thread (the core's limit for "small").
+INLINE_COPY_BYTES = 256 << 10
 
 
 class EngineState:
@@ -71,6 +75,7 @@ class EngineState:
         self._segment: LocalSegment | None = None
         self._managed: ManagedPool | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._completions: Completions | None = None
         self._log_task: asyncio.Task | None = None
         self._publish_lock = asyncio.Lock()  # orders updates of our descriptor on a metadata server
 
@@ -91,6 +96,7 @@ class EngineState:
         loop = asyncio.get_running_loop()
         self.loop = loop
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
+        self._completions = Completions(loop, lambda: self._executor)
         low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
             store = open_store(kind, url, timeout=self.config.handshake_timeout) if kind != "p2p" else None
@@ -256,6 +262,41 @@ class EngineState:
             raise
 
     # ------------------------------------------------------------------ transfers
+
+    async def transfer(self, target: str, req: TransferRequest | SingleTransfer, session: Session) -> tuple[int, str]:
+        """A transfer call's first try on ``session``: ``(rc, reason)``.
+
+        Submitted from the loop thread, which does not block: over TCP the core only enqueues
+        the batch; on one host it copies inside submit, so only copies of up to
+        ``INLINE_COPY_BYTES`` run here and larger ones in the executor.  A batch already done
+        completes without leaving the loop; others are awaited through ``Completions``.  A
+        cancelled call waits for its batch to end (done, or cancelled by the poller at its
+        deadline) before ``CancelledError`` propagates, so nothing touches either side's buffers
+        after it returns."""
+        peer = session.peer
+        if req.total_bytes > INLINE_COPY_BYTES and peer.same_host:
+            return await self.run_blocking(req.run, session, self.config)  # the core counts a success
+        started = time.perf_counter()
+        try:
+            batch = req.submit(session)
+        except errors.FlagcxMcError as exc:
+            return exc.code, str(exc)
+        outcome: tuple[int, str] | None = outcome_now(batch)
+        if outcome is None:
+            assert self._completions is not None
+            deadline = time.monotonic() + self.config.timeout_for(req.total_bytes)
+            future = self._completions.wait(batch, deadline)
+            try:
+                outcome = await asyncio.shield(future)  # (rc, why)
+            except asyncio.CancelledError:
+                # Wait for the batch's end (its deadline bounds it) rather than cancel it: a
+                # cancel cuts the stream, which would fail other calls' batches riding on it.
+                await _finish(future)
+                raise
+        assert outcome is not None
+        if outcome[0] == 0:  # submitted batches are not counted by the core: count here
+            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
+        return outcome
 
     async def settle(self, target: str, req: TransferRequest | SingleTransfer, session: Session, rc: int,
                      why: str) -> Session:

@@ -62,6 +62,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--check", metavar="RESULTS",
                        help="measure nothing: print the report of a results file written earlier, checked against "
                             "--targets")
+    bench.add_argument("--async", dest="async_calls", action="store_true",
+                       help="only the async facade: calls/s beside the sync facade and asyncio.to_thread, 1/16/64 "
+                            "coroutines, on asyncio's loop and uvloop (about a minute), with its targets")
     bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
 
 
@@ -78,6 +81,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             return 2
     if args.check:
         return _check_results(args.check, targets)
+    if args.async_calls:
+        return _run_async_bench(args.json)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -91,6 +96,20 @@ def _run_bench(args: argparse.Namespace) -> int:
                      json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
     opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
     return run_bench(opts)
+
+
+def _run_async_bench(json_path: str) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench.async_calls import async_targets, print_async_report, run_async_bench
+
+    rows = run_async_bench(loop="asyncio") + run_async_bench(loop="uvloop")
+    print_async_report(rows)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"async_calls": rows, "async_targets": async_targets(rows)}, indent=1))
+    return 0
 
 
 def _check_results(path: str, targets) -> int:

@@ -409,6 +409,26 @@ static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
     return FMC_ERR_TIMEOUT;
 }
 
+/* Wait up to timeout_ms for the batch to end without cancelling it when time runs out (the async
+ * facade's poller keeps deadlines itself); returns fmc_batch_poll's answer. */
+int fmc_batch_wait_done(fmc_batch *b, int64_t timeout_ms)
+{
+    struct timespec ts;
+    fmc_deadline_ts(timeout_ms < 0 ? 0 : timeout_ms, &ts);
+    int spin = fmc_spin_us_after(b->peer->engine, b->bytes);
+    if (spin > 0) {
+        int64_t until = fmc_now_us() + spin;
+        while (!__atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) && fmc_now_us() < until)
+            sched_yield();
+    }
+    pthread_mutex_lock(&b->mu);
+    while (!b->finished && pthread_cond_timedwait(&b->cv, &b->mu, &ts) != ETIMEDOUT)
+        ;
+    int rc = b->finished ? (b->first_error == FMC_OK ? 1 : b->first_error) : 0;
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
 int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
 {
     return batch_wait(b, timeout_ms, fmc_spin_us_after(b->peer->engine, b->bytes));

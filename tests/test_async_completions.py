@@ -1,0 +1,141 @@
+"""Async transfer coroutines submit from the loop and complete inline or through one poller:
+content under many concurrent coroutines on both transports, cancel while the poller waits, a
+deadline expiring there, close() with coroutines waiting."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
+from flagcx_mc._testing.node import NodeProcess
+
+pytestmark = [pytest.mark.uvloop, pytest.mark.timeout(60)]
+
+BLOCK = 64 << 10
+N = 256
+BIG = 8 << 20
+
+
+@pytest.mark.parametrize("transport", ["tcp", "same-host"])
+@pytest.mark.parametrize("block", [4096, BLOCK, 512 << 10])
+async def test_many_coroutines_move_the_right_bytes(transport, block):
+    n = N if block < (512 << 10) else 24
+    src, dst, back = HostBuffer(n * block), HostBuffer(n * block), HostBuffer(n * block)
+    target = AsyncTransferEngine(transport=transport)
+    try:
+        async with AsyncTransferEngine(transport=transport) as eng:
+            await target.initialize("127.0.0.1")
+            await target.register_memory(dst.addr, dst.size)
+            await eng.initialize("127.0.0.1")
+            await eng.batch_register_memory([src.addr, back.addr], [src.size, back.size])
+            src.fill_random()
+            order = list(range(n))
+            order.reverse()  # block i of src lands in slot n-1-i of dst
+            await asyncio.gather(*(eng.transfer_sync_write(target.session_name, src.addr + i * block,
+                                                           dst.addr + order[i] * block, block) for i in range(n)))
+            for i in range(0, n, 7):
+                assert dst.read(order[i] * block, block) == src.read(i * block, block)
+            await asyncio.gather(*(eng.transfer_sync_read(target.session_name, back.addr + i * block,
+                                                          dst.addr + order[i] * block, block) for i in range(n)))
+            assert back.read(0, n * block) == src.read(0, n * block)
+            peers = eng.stats()["peers"]
+            assert peers[target.session_name]["transfers"] >= 2 * n + 0  # every success counted
+    finally:
+        await target.close()
+        for b in (src, dst, back):
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def frozen_node():
+    proc = NodeProcess(regions=[BIG, 1 << 20], config={"transfer_timeout": 30.0})
+    yield proc
+    proc.close()
+
+
+async def _engine_on(node: NodeProcess, buf: HostBuffer, **config) -> AsyncTransferEngine:
+    eng = AsyncTransferEngine(transport="tcp", **config)
+    await eng.initialize("127.0.0.1")
+    await eng.register_memory(buf.addr, buf.size)
+    await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)  # session open
+    return eng
+
+
+async def test_deadline_expires_in_the_poller(frozen_node):
+    """Calls stuck on a frozen peer end with TransferTimeoutError at their deadline, not later,
+    and the engine reconnects afterwards."""
+    node = frozen_node
+    buf = HostBuffer(2 * BIG)
+    eng = await _engine_on(node, buf, transfer_timeout=1.5)
+    try:
+        await asyncio.to_thread(node.freeze)
+        try:
+            t0 = time.monotonic()
+            calls = [eng.transfer_sync_write(node.session, buf.addr + i * 4096, node.addr(1, i * 4096), 4096)
+                     for i in range(16)]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert all(isinstance(r, errors.TransferTimeoutError) for r in results), results
+        assert elapsed < 8.0
+        await asyncio.sleep(0.5)
+        await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)  # reconnects
+    finally:
+        await eng.close()
+        buf.close()
+
+
+async def test_cancel_while_the_poller_waits(frozen_node):
+    """A cancelled call returns only once its batch ended: after it returns, bytes written into
+    the source never reach the peer."""
+    node = frozen_node
+    buf = HostBuffer(2 * BIG)
+    eng = await _engine_on(node, buf, transfer_timeout=2.0)
+    try:
+        await asyncio.to_thread(node.call, "set", region=0, byte=0x00)
+        buf.fill(0x11, 0, BIG)
+        await asyncio.to_thread(node.freeze)
+        try:
+            task = asyncio.ensure_future(eng.transfer_sync_write(node.session, buf.addr, node.addr(0), BIG))
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            buf.fill(0x22, 0, BIG)
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        assert (await asyncio.to_thread(node.call, "count_byte", region=0, byte=0x22))["count"] == 0
+    finally:
+        await eng.close()
+        buf.close()
+
+
+async def test_close_fails_waiting_coroutines_promptly(frozen_node):
+    node = frozen_node
+    buf = HostBuffer(2 * BIG)
+    eng = await _engine_on(node, buf, transfer_timeout=20.0)
+    try:
+        await asyncio.to_thread(node.freeze)
+        try:
+            tasks = [asyncio.ensure_future(eng.transfer_sync_write(node.session, buf.addr + i * 4096,
+                                                                   node.addr(1, i * 4096), 4096)) for i in range(32)]
+            tasks.append(asyncio.ensure_future(eng.transfer_sync_write(node.session, buf.addr, node.addr(0), BIG)))
+            await asyncio.sleep(0.3)
+            assert not any(t.done() for t in tasks)
+            t0 = time.monotonic()
+            await eng.close()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert all(isinstance(r, errors.FlagcxMcError) for r in results), results
+    finally:
+        await eng.close()
+        buf.close()
