@@ -81,7 +81,10 @@ async def test_deadline_expires_in_the_poller(frozen_node):
             elapsed = time.monotonic() - t0
         finally:
             os.kill(node.pid, signal.SIGCONT)
-        assert all(isinstance(r, errors.TransferTimeoutError) for r in results), results
+        # The first deadline to pass cuts the streams the calls share, which may fail a call whose
+        # own deadline is a moment later with PeerConnectionError (as on the sync path).
+        assert all(isinstance(r, (errors.TransferTimeoutError, errors.PeerConnectionError)) for r in results), results
+        assert any(isinstance(r, errors.TransferTimeoutError) for r in results), results
         assert elapsed < 8.0
         await asyncio.sleep(0.5)
         await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)  # reconnects
