@@ -149,6 +149,19 @@ static int release_vmm(uint64_t va, uint64_t mapped, uint64_t size, uint64_t chu
     return 0;
 }
 
+/* The device's context made current, and the driver's VMM calls present. */
+static int open_vmm_device(int device)
+{
+    int rc = open_device(device);
+    if (rc < 0)
+        return rc;
+    if (!have_vmm()) {
+        fmc_set_error("the CUDA driver lacks the VMM calls");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    return 0;
+}
+
 /* `size` bytes (a multiple of `chunk`, itself a multiple of the 2 MiB granularity) of address
  * space backed by one cuMemCreate allocation per chunk, mapped side by side, readable and
  * writable by `device`; shareable: the chunks allow POSIX file descriptor handles, which is what
@@ -160,13 +173,9 @@ int fmc_cuda_buffer_alloc_vmm(int device, uint64_t size, uint64_t chunk, int sha
                       "(got %llu in chunks of %llu)", (unsigned long long)size, (unsigned long long)chunk);
         return FMC_ERR_INVALID_ARGUMENT;
     }
-    int rc = open_device(device);
+    int rc = open_vmm_device(device);
     if (rc < 0)
         return rc;
-    if (!have_vmm()) {
-        fmc_set_error("the CUDA driver lacks the VMM calls");
-        return FMC_ERR_NOT_IMPLEMENTED;
-    }
     uint64_t va = 0, mapped = 0;
     if (bf.mem_reserve(&va, (size_t)size, 0, 0, 0) != 0) {
         fmc_set_error("cuMemAddressReserve of %llu bytes failed", (unsigned long long)size);
@@ -203,13 +212,9 @@ int fmc_cuda_buffer_free_vmm(int device, uint64_t ptr, uint64_t size, uint64_t c
 {
     if (chunk == 0 || size % chunk != 0)
         return FMC_ERR_INVALID_ARGUMENT;
-    int rc = open_device(device);
+    int rc = open_vmm_device(device);
     if (rc < 0)
         return rc;
-    if (!have_vmm()) {
-        fmc_set_error("the CUDA driver lacks the VMM calls");
-        return FMC_ERR_NOT_IMPLEMENTED;
-    }
     return release_vmm(ptr, size, size, chunk);
 }
 
