@@ -132,7 +132,7 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     for x in data["latency"]:
         assert x["verified"] and x["n"] == 1000 and 0 < x["p50_us"] <= x["p99_us"]
     # One line per target, each PASS, MISS or N/A; N/A exactly where its transport did not run.
-    assert len(data["targets"]) == 7
+    assert len(data["targets"]) == 17
     for t in data["targets"]:
         assert t["status"] in ("PASS", "MISS", "N/A")
         assert f"{t['status']:<4} {t['name']}" in proc.stdout
@@ -142,6 +142,7 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
         assert statuses["one 4 KiB sync write: p50 <= 0.7x Mooncake"] != "N/A"
     if "gpu" not in ran:
         assert statuses["GPU -> GPU on one host >= 90% of a device-to-device copy"] == "N/A"
+    assert all(t["status"] == "N/A" for t in data["targets"] if t["metric"].startswith("calls_ratio:"))  # --async
     assert ("plot written to" in proc.stdout) or ("PNG skipped: matplotlib is not installed" in proc.stdout)
 
 
@@ -460,4 +461,36 @@ def test_targets_files_may_be_toml(tmp_path):
 
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
-    assert len(loaded.targets) == 7 and loaded.note_steal_from == 0.05
+    kinds = [t.metric.split(":")[0] for t in loaded.targets]
+    assert kinds.count("calls_ratio") == 10 and len(kinds) == 17 and loaded.note_steal_from == 0.05
+
+
+def test_calls_ratio_targets_judge_single_transfers_of_the_async_bench(tmp_path):
+    """The async facade's targets live in a targets file, not in the bench: the worst ratio over
+    single-transfer rows of the transport, every loop, decides."""
+    path = tmp_path / "targets.json"
+    path.write_text(json.dumps({"targets": [
+        {"name": "1 coroutine", "metric": "calls_ratio:tcp:async_1/sync", "threshold": 0.3, "better": "higher"},
+        {"name": "to_thread", "metric": "calls_ratio:same-host:async_16/to_thread_16", "threshold": 3.0,
+         "better": "higher"},
+        {"name": "nothing measured", "metric": "calls_ratio:tcp-gpu:async_1/sync", "threshold": 0.3,
+         "better": "higher"}]}))
+    targets = tg.load_targets(str(path), ("tcp", "same-host", "tcp-gpu"))
+
+    def row(transport, count, loop, **rates):
+        return {"transport": transport, "block": 4096, "count": count, "loop": loop, "calls_per_s": rates}
+
+    result = {"async_calls": [
+        row("tcp", 1, "asyncio", sync=100.0, async_1=40.0),
+        row("tcp", 1, "uvloop", sync=100.0, async_1=25.0),       # the worst: a MISS
+        row("tcp", 64, "asyncio", sync=100.0, async_1=1.0),      # batches are not judged
+        row("same-host", 1, "asyncio", async_16=90.0, to_thread_16=20.0)]}
+    by_name = {t["name"]: t for t in tg.evaluate_targets(targets, result)}
+    assert by_name["1 coroutine"]["status"] == "MISS" and by_name["1 coroutine"]["measured"] == 0.25
+    assert "uvloop" in by_name["1 coroutine"]["detail"]
+    assert by_name["to_thread"]["status"] == "PASS" and by_name["to_thread"]["measured"] == 4.5
+    assert by_name["nothing measured"]["status"] == "N/A"
+    with pytest.raises(tg.TargetsError):
+        path.write_text(json.dumps([{"name": "x", "metric": "calls_ratio:tcp:async_1", "threshold": 1,
+                                     "better": "higher"}]))
+        tg.load_targets(str(path), ("tcp",))

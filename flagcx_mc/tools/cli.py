@@ -82,7 +82,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.check:
         return _check_results(args.check, targets)
     if args.async_calls:
-        return _run_async_bench(args.json)
+        return _run_async_bench(args.json, targets)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -98,18 +98,26 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_bench(opts)
 
 
-def _run_async_bench(json_path: str) -> int:
+def _run_async_bench(json_path: str, targets) -> int:
     import json
     from pathlib import Path
 
-    from .bench.async_calls import async_targets, print_async_report, run_async_bench
+    from .bench.async_calls import print_async_report, run_async_bench
+    from .bench.report import verdict
+    from .bench.targets import evaluate_targets
 
     rows = run_async_bench(loop="asyncio") + run_async_bench(loop="uvloop")
     print_async_report(rows)
+    result: dict = {"async_calls": rows, "targets": [], "verified": True, "errors": []}
+    if targets is not None:
+        result["targets"] = [t for t in evaluate_targets(targets, result) if t["metric"].startswith("calls_ratio:")]
+        for t in result["targets"]:
+            measured = "-" if t["measured"] is None else f"{t['measured']:.2f}"
+            print(f"{t['status']:4} {t['name']}: {measured} (threshold {t['threshold']})  {t['detail']}")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps({"async_calls": rows, "async_targets": async_targets(rows)}, indent=1))
-    return 0
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    return verdict(result)
 
 
 def _check_results(path: str, targets) -> int:

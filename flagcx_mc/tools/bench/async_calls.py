@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["ASYNC_SHAPES", "CONCURRENCY", "run_async_bench", "print_async_report", "async_targets"]
+__all__ = ["ASYNC_SHAPES", "CONCURRENCY", "run_async_bench", "print_async_report"]
 
 ASYNC_SHAPES: tuple[tuple[int, int], ...] = ((4096, 1), (65536, 1), (4096, 64))
 CONCURRENCY: tuple[int, ...] = (1, 16, 64)
@@ -151,25 +151,6 @@ def run_async_bench(transports: tuple[str, ...] = ("same-host", "tcp"), seconds:
     return rows
 
 
-def async_targets(rows: list[dict]) -> list[dict]:
-    """Each row against the async targets: 1 coroutine >= 0.3x sync, 64 >= 0.5x (single blocks),
-    and every concurrency >= 3x ``to_thread`` at the same concurrency."""
-    out = []
-    for row in rows:
-        rates = row["calls_per_s"]
-        checks: list[tuple[str, float, float]] = []
-        if row["count"] == 1:
-            checks += [("async_1 / sync", rates["async_1"] / rates["sync"], 0.3),
-                       ("async_64 / sync", rates["async_64"] / rates["sync"], 0.5)]
-        checks += [(f"async_{n} / to_thread_{n}", rates[f"async_{n}"] / rates[f"to_thread_{n}"], 3.0)
-                   for n in CONCURRENCY]
-        for name, value, threshold in checks:
-            out.append({"row": f"{row['transport']} {row['block'] // 1024} KiB x{row['count']} ({row['loop']})",
-                        "metric": name, "measured": value, "threshold": threshold,
-                        "status": "PASS" if value >= threshold else "MISS"})
-    return out
-
-
 def print_async_report(rows: list[dict], out: Any = None) -> None:
     import sys
 
@@ -181,6 +162,3 @@ def print_async_report(rows: list[dict], out: Any = None) -> None:
         shape = f"{row['block'] // 1024}K x{row['count']}"
         print(f"{row['transport']:10} {shape:12} {row['loop']:8}"
               + "".join(f"{row['calls_per_s'][c]:13,.0f}" for c in cols), file=out)
-    for t in async_targets(rows):
-        print(f"{t['status']:4}  {t['row']:32} {t['metric']:24} {t['measured']:6.2f} (>= {t['threshold']})",
-              file=out)

@@ -11,7 +11,10 @@ measured rows, written ``kind:transport:against``:
 - ``cpu_ratio:T:mooncake`` -- the initiator's CPU seconds per GiB over Mooncake's on the same
   rows; the highest;
 - ``p50_latency_ratio:T:U`` -- median latency of one 4 KiB synchronous write, ``T``'s over
-  ``U``'s.
+  ``U``'s;
+- ``calls_ratio:T:A/B`` -- from ``flagcx-mc bench --async``: calls per second of column ``A``
+  over column ``B`` (``sync``, ``async_N``, ``to_thread_N`` for N coroutines) on ``T``'s single
+  transfers (one block a call), every block size and event loop; the lowest.
 
 Each target comes out PASS, MISS or N/A (nothing measured it, with the reason) beside the worst
 value and the row it came from.
@@ -30,7 +33,7 @@ from .report import throughput_rows
 
 __all__ = ["METRIC_KINDS", "Target", "TargetSet", "TargetsError", "evaluate_targets", "load_targets"]
 
-METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio")
+METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio", "calls_ratio")
 
 
 class TargetsError(ValueError):
@@ -70,6 +73,8 @@ def _check(target: Target, transports: tuple[str, ...]) -> None:
         raise TargetsError(f"{target.name!r}: cpu_ratio is measured against mooncake only")
     if kind == "p50_latency_ratio" and against not in transports:
         raise TargetsError(f"{target.name!r}: no transport {against!r} (known: {', '.join(transports)})")
+    if kind == "calls_ratio" and (against.count("/") != 1 or not all(against.split("/"))):
+        raise TargetsError(f"{target.name!r}: calls_ratio compares two columns, A/B, not {against!r}")
     if target.better not in ("higher", "lower"):
         raise TargetsError(f"{target.name!r}: better must be 'higher' or 'lower', not {target.better!r}")
 
@@ -137,6 +142,12 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
         if transport in lat and against in lat and lat[against].get("p50_us"):
             return [(lat[transport]["p50_us"] / lat[against]["p50_us"], {})], ""
         return [], _why_not(result, transport, against)
+    if kind == "calls_ratio":
+        top, bottom = against.split("/")
+        calls = [r for r in result.get("async_calls", []) if r.get("transport") == transport and r.get("count") == 1]
+        pairs = [(r["calls_per_s"][top] / r["calls_per_s"][bottom], r) for r in calls
+                 if r["calls_per_s"].get(top) and r["calls_per_s"].get(bottom)]
+        return pairs, "" if pairs else f"no async calls measured on {transport} (flagcx-mc bench --async)"
     rows = throughput_rows(result.get("rows", []), transport)
 
     def value_of(r: dict) -> float | None:
@@ -162,7 +173,12 @@ def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
             continue
         worst, row = (min if t.better == "higher" else max)(values, key=lambda v: v[0])
         ok = worst >= t.threshold if t.better == "higher" else worst <= t.threshold
-        detail = f"worst: {row['op']} {fmt_size(row['block'])} x{row['count']}" if "op" in row else ""
+        if "op" in row:
+            detail = f"worst: {row['op']} {fmt_size(row['block'])} x{row['count']}"
+        elif "loop" in row:
+            detail = f"worst: {fmt_size(row['block'])} x{row['count']} on {row['loop']}"
+        else:
+            detail = ""
         kind, _, against = t.parts
         median = row.get("median_ratios", {}).get(against) if kind == "throughput_ratio" else None
         if median is not None:
