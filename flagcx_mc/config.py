@@ -20,6 +20,8 @@ from typing import Any
 from .control.codec import DEFAULT_MAX_LENGTH, MAX_MAX_LENGTH, MIN_MAX_LENGTH
 from .control.handshake import DEFAULT_RPC_PORT_RANGE
 from .errors import InvalidArgumentError
+from .metadata.redis_store import redis_db_index
+from .metadata.store import StoreSettings
 
 __all__ = ["PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_length", "mooncake_transfer_timeout",
            "prefault_mode", "rpc_port_range"]
@@ -228,6 +230,12 @@ class EngineConfig:
     handshake_max_length: int = DEFAULT_MAX_LENGTH  # largest handshake frame sent or accepted, bytes
     advertise_host: str | None = None  # host peers reach us at with a metadata server (MC_TCP_BIND_ADDRESS)
     accept_mooncake_wire: bool = True    # serve initiators speaking Mooncake's TCP framing (no authentication)
+    # Metadata servers (Mooncake's variables):
+    metadata_cluster_id: str = ""        # MC_METADATA_CLUSTER_ID: prefixes every key
+    metadata_http_token: str | None = dataclasses.field(default=None, repr=False)  # MC_METADATA_HTTP_TOKEN
+    redis_username: str | None = None    # MC_REDIS_USERNAME (with the password only)
+    redis_password: str | None = dataclasses.field(default=None, repr=False)  # MC_REDIS_PASSWORD
+    redis_db_index: int = 0              # MC_REDIS_DB_INDEX (0..255; anything else warns and gives 0)
     # Settings of the C core, per engine (fmc_options):
     local_cc: str = LOCAL_CC_DEFAULT     # congestion control within this host; "" keeps the host's default
     prefault: str = "touched"            # registration and huge pages: touched, all or off (prefault_mode)
@@ -255,6 +263,11 @@ class EngineConfig:
             "transport": os.environ.get("FLAGCX_MC_TRANSPORT") or None,
             "advertise_host": os.environ.get("MC_TCP_BIND_ADDRESS", "").strip() or None,
             "accept_mooncake_wire": _env_flag("FLAGCX_MC_ACCEPT_MOONCAKE_WIRE"),
+            "metadata_cluster_id": os.environ.get("MC_METADATA_CLUSTER_ID") or None,
+            "metadata_http_token": os.environ.get("MC_METADATA_HTTP_TOKEN") or None,
+            "redis_username": os.environ.get("MC_REDIS_USERNAME") or None,
+            "redis_password": os.environ.get("MC_REDIS_PASSWORD") or None,
+            "redis_db_index": redis_db_index(os.environ.get("MC_REDIS_DB_INDEX")) or None,
             "local_cc": os.environ.get("FLAGCX_MC_LOCAL_CC"),  # "" is a value: the host's default
             "prefault": _env_prefault("FLAGCX_MC_PREFAULT"),
             "vectors": _env_flag("FLAGCX_MC_VECTORS"),
@@ -315,6 +328,12 @@ class EngineConfig:
                 f"not {self.handshake_max_length}")
         if not isinstance(self.accept_mooncake_wire, bool):
             raise InvalidArgumentError("accept_mooncake_wire must be True or False")
+
+    def store_settings(self) -> StoreSettings:
+        """What this engine's metadata store is told (credentials, database, key prefix)."""
+        return StoreSettings(cluster_id=self.metadata_cluster_id, http_token=self.metadata_http_token,
+                             redis_username=self.redis_username, redis_password=self.redis_password,
+                             redis_db_index=self.redis_db_index)
 
     def timeout_for(self, total_bytes: int) -> float:
         """Deadline of one transfer call: Mooncake's timeout plus 1 ns per byte."""

@@ -20,6 +20,7 @@ import orjson
 import pytest
 from support.servers import PACKAGE_PARENT, free_port  # noqa: E402
 
+from flagcx_mc.config import EngineConfig
 from flagcx_mc.errors import (
     EndpointError,
     EngineStateError,
@@ -71,29 +72,30 @@ def _status(response: bytes) -> int:
 # --- key layout -----------------------------------------------------------------------------
 
 
-def test_keys_without_cluster_id(monkeypatch):
-    monkeypatch.delenv("MC_METADATA_CLUSTER_ID", raising=False)
+def test_keys_without_cluster_id():
     assert key_prefix() == "mooncake/"
     assert segment_key("10.0.0.5:15873") == "mooncake/ram/10.0.0.5:15873"
     assert rpc_meta_key("10.0.0.5:15873") == "mooncake/rpc_meta/10.0.0.5:15873"
     assert segment_key("cpu/seg") == "mooncake/cpu/seg"  # a name with "/" is already a path
-    monkeypatch.setenv("MC_METADATA_CLUSTER_ID", "")
-    assert segment_key("h:1") == "mooncake/ram/h:1"
+    assert segment_key("h:1", "") == "mooncake/ram/h:1"
 
 
 @pytest.mark.parametrize("cluster", ["prod", "prod/"])
 def test_keys_with_cluster_id(monkeypatch, cluster):
     monkeypatch.setenv("MC_METADATA_CLUSTER_ID", cluster)
-    assert key_prefix() == "mooncake/prod/"
-    assert segment_key("h:1") == "mooncake/prod/ram/h:1"
-    assert rpc_meta_key("h:1") == "mooncake/prod/rpc_meta/h:1"
-    assert segment_key("a/b") == "mooncake/prod/a/b"
+    cluster_id = EngineConfig.from_env().metadata_cluster_id  # the engine reads the variable
+    assert cluster_id == cluster
+    assert key_prefix(cluster_id) == "mooncake/prod/"
+    assert segment_key("h:1", cluster_id) == "mooncake/prod/ram/h:1"
+    assert rpc_meta_key("h:1", cluster_id) == "mooncake/prod/rpc_meta/h:1"
+    assert segment_key("a/b", cluster_id) == "mooncake/prod/a/b"
 
 
-def test_explicit_cluster_id_wins_over_env(monkeypatch):
+def test_keys_never_read_the_environment(monkeypatch):
     monkeypatch.setenv("MC_METADATA_CLUSTER_ID", "env")
     assert segment_key("n", cluster_id="c") == "mooncake/c/ram/n"
-    assert rpc_meta_key("n", cluster_id="") == "mooncake/rpc_meta/n"
+    assert rpc_meta_key("n") == "mooncake/rpc_meta/n"
+    assert EngineConfig.from_env(metadata_cluster_id="kw").metadata_cluster_id == "kw"
 
 
 @pytest.mark.parametrize("bad", ["", None, 5])
@@ -261,7 +263,7 @@ async def test_bearer_token(monkeypatch):
                 await HttpMetadataStore(srv.url, token=token).get("k")
             assert info.value.status == 401
         monkeypatch.setenv("MC_METADATA_HTTP_TOKEN", "s3cret")
-        st = HttpMetadataStore(srv.url)
+        st = open_store("http", srv.url, settings=EngineConfig.from_env().store_settings())
         await st.put("k", {"v": 1})
         assert await st.get("k") == {"v": 1}
 
@@ -558,7 +560,8 @@ async def test_redis_round_trip(redis_port, redis_env):
     redis_env.setenv("MC_REDIS_PASSWORD", REDIS_PASSWORD)
     redis_env.setenv("MC_REDIS_DB_INDEX", "3")
     key = segment_key(f"seg-{uuid.uuid4().hex}")
-    async with open_store(*parse_metadata_server(f"{HOST}:{redis_port}", "redis")) as st:
+    settings = EngineConfig.from_env().store_settings()
+    async with open_store(*parse_metadata_server(f"{HOST}:{redis_port}", "redis"), settings=settings) as st:
         assert isinstance(st, RedisMetadataStore)
         assert await st.get(key) is None
         await st.put(key, DESC)
@@ -587,14 +590,14 @@ async def test_redis_credentials(redis_port, redis_env):
         with pytest.raises(MetadataError, match="authentication"):
             await st.get("k")
     redis_env.setenv("MC_REDIS_PASSWORD", "wrong")
-    async with RedisMetadataStore(url) as st:
+    async with RedisMetadataStore(url, settings=EngineConfig.from_env().store_settings()) as st:
         with pytest.raises(MetadataError, match="authentication"):
             await st.get("k")
     redis_env.setenv("MC_REDIS_PASSWORD", REDIS_PASSWORD)
     redis_env.setenv("MC_REDIS_USERNAME", "default")
     redis_env.setenv("MC_REDIS_DB_INDEX", "999")  # out of range: database 0, as in Mooncake
     key = rpc_meta_key(f"h-{uuid.uuid4().hex}:1")
-    async with RedisMetadataStore(url) as st:
+    async with RedisMetadataStore(url, settings=EngineConfig.from_env().store_settings()) as st:
         await st.put(key, {"ip_or_host_name": "h", "rpc_port": 1})
         assert await st.get(key) == {"ip_or_host_name": "h", "rpc_port": 1}
         await st.delete(key)
@@ -613,7 +616,8 @@ async def test_redis_unreachable(redis_env):
 def test_redis_db_index(redis_env, text, index):
     if text is not None:
         redis_env.setenv("MC_REDIS_DB_INDEX", text)
-    assert redis_store._redis_db_index() == index
+    assert redis_store.redis_db_index(text) == index
+    assert EngineConfig.from_env().redis_db_index == index
 
 
 def test_redis_package_missing(monkeypatch):

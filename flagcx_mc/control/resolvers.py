@@ -108,14 +108,15 @@ def _whole(desc: SegmentDesc, regions: list[RegionDesc]) -> SegmentDesc:
 class StoreResolver:
     """Read the segment and its rpc location from a metadata server."""
 
-    def __init__(self, store: MetadataStore, probe_timeout: float = 2.0) -> None:
+    def __init__(self, store: MetadataStore, probe_timeout: float = 2.0, cluster_id: str = "") -> None:
         self._store = store
+        self._cluster = cluster_id
         self._probe_timeout = probe_timeout
         self._mine: dict | None = None  # our rpc_meta entry, once published
 
     async def resolve(self, name: str) -> Resolved:
-        meta = await self._store.get(rpc_meta_key(name))
-        raw = await self._store.get(segment_key(name))
+        meta = await self._store.get(rpc_meta_key(name, self._cluster))
+        raw = await self._store.get(segment_key(name, self._cluster))
         if meta is None or raw is None:
             raise errors.MetadataError(f"segment {name!r} is not published on the metadata server")
         host, port = meta.get("ip_or_host_name"), meta.get("rpc_port")
@@ -130,17 +131,17 @@ class StoreResolver:
         """Claim ``name``.  An entry left by a dead engine (a restart) is replaced; one whose
         engine still answers a Probe is a name clash and an error."""
         mine = {"ip_or_host_name": host, "rpc_port": port}
-        previous = await self._store.get(rpc_meta_key(name))
+        previous = await self._store.get(rpc_meta_key(name, self._cluster))
         if previous is not None and previous != mine:
             if await self._answers_probe(previous):
                 raise errors.MetadataError(
                     f"segment name {name!r} is in use by a live engine at "
                     f"{previous.get('ip_or_host_name')}:{previous.get('rpc_port')}"
                 )
-            await self._store.delete(rpc_meta_key(name))  # the HTTP server refuses to overwrite it
+            await self._store.delete(rpc_meta_key(name, self._cluster))  # the HTTP server refuses to overwrite it
         self._mine = mine  # from here on the name is ours to withdraw (even if the next put fails)
-        await self._store.put(rpc_meta_key(name), mine)
-        await self._store.put(segment_key(name), desc)
+        await self._store.put(rpc_meta_key(name, self._cluster), mine)
+        await self._store.put(segment_key(name, self._cluster), desc)
 
     async def _answers_probe(self, entry: dict) -> bool:
         host, port = entry.get("ip_or_host_name"), entry.get("rpc_port")
@@ -158,14 +159,14 @@ class StoreResolver:
         server restarted empty) is put back, so peers find us again."""
         if self._mine is None:
             return
-        current = await self._store.get(rpc_meta_key(name))
+        current = await self._store.get(rpc_meta_key(name, self._cluster))
         if current is not None and current != self._mine:
             log.warning("segment name %r is now held by the engine at %s:%s; this engine's regions are no "
                         "longer published under it", name, current.get("ip_or_host_name"), current.get("rpc_port"))
             return
         if current is None:
-            await self._store.put(rpc_meta_key(name), self._mine)
-        await self._store.put(segment_key(name), desc)
+            await self._store.put(rpc_meta_key(name, self._cluster), self._mine)
+        await self._store.put(segment_key(name, self._cluster), desc)
 
     async def withdraw(self, name: str) -> None:
         """Remove our entries, best effort.  Only what this engine published: an engine that was
@@ -175,10 +176,10 @@ class StoreResolver:
         if mine is None:
             return
         try:
-            current = await self._store.get(rpc_meta_key(name))
+            current = await self._store.get(rpc_meta_key(name, self._cluster))
             if current is not None and current != mine:
                 return
-            for key in (segment_key(name), rpc_meta_key(name)):
+            for key in (segment_key(name, self._cluster), rpc_meta_key(name, self._cluster)):
                 await self._store.delete(key)
         except errors.FlagcxMcError:
             pass

@@ -99,7 +99,8 @@ class EngineState:
         self._completions = Completions(loop, lambda: self._executor)
         low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
-            store = open_store(kind, url, timeout=self.config.handshake_timeout) if kind != "p2p" else None
+            store = (open_store(kind, url, timeout=self.config.handshake_timeout,
+                                settings=self.config.store_settings()) if kind != "p2p" else None)
             self._core = await loop.run_in_executor(self._executor, CoreEngine, host, low, high, self.config)
             secret = self.config.secret
             if secret is not None:
@@ -118,7 +119,7 @@ class EngineState:
                 resolver: Any = P2PResolver(self._segment.request_json, self.config.handshake_timeout, secret,
                                             self.config.handshake_max_length)
             else:
-                resolver = self.store = StoreResolver(store)
+                resolver = self.store = StoreResolver(store, cluster_id=self.config.metadata_cluster_id)
                 await self.store.publish(self.name, host, self.rpc_port, self._segment.desc_json())
         except BaseException:
             await self._teardown()

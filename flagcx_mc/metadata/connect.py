@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError
 from .etcd_store import EtcdMetadataStore, split_etcd_url
 from .http_store import HttpMetadataStore, split_http_url
 from .redis_store import RedisMetadataStore, split_redis_url
-from .store import DEFAULT_TIMEOUT, MetadataStore
+from .store import DEFAULT_TIMEOUT, MetadataStore, StoreSettings
 
 __all__ = ["P2P_HANDSHAKE", "parse_metadata_server", "open_store"]
 
@@ -85,8 +85,10 @@ _STORES: dict[str, Callable[..., MetadataStore]] = {
 }
 
 
-def open_store(kind: str, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> MetadataStore:
-    """The store for a ``(kind, url)`` pair from ``parse_metadata_server``.
+def open_store(kind: str, url: str, *, timeout: float = DEFAULT_TIMEOUT,
+               settings: StoreSettings | None = None) -> MetadataStore:
+    """The store for a ``(kind, url)`` pair from ``parse_metadata_server``, told ``settings``
+    (credentials, database; an engine passes its ``EngineConfig.store_settings()``).
 
     Raises:
         NotSupportedError: ``redis`` without the ``redis`` package.
@@ -98,4 +100,9 @@ def open_store(kind: str, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Meta
             f"no metadata store for kind {kind!r}"
             + (f" ({P2P_HANDSHAKE} exchanges metadata peer to peer)" if kind == "p2p" else "")
         )
+    settings = settings or StoreSettings()
+    if cls is HttpMetadataStore:
+        return HttpMetadataStore(url, timeout=timeout, token=settings.http_token)
+    if cls is RedisMetadataStore:
+        return RedisMetadataStore(url, timeout=timeout, settings=settings)
     return cls(url, timeout=timeout)

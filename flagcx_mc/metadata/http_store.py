@@ -7,7 +7,6 @@ store, which speaks etcd's v3 JSON API over the same kind of request.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import ssl
 from collections.abc import Sequence
@@ -78,13 +77,13 @@ class HttpMetadataStore(MetadataStore):
     """Mooncake's HTTP metadata protocol: ``GET|PUT|DELETE <url>?key=<escaped key>``.
 
     One connection per request (``Connection: close``); values travel as JSON bodies.
-    If ``MC_METADATA_HTTP_TOKEN`` is set (or ``token`` given), every request carries
+    With a ``token`` (an engine's from ``MC_METADATA_HTTP_TOKEN``), every request carries
     ``Authorization: Bearer <token>``, as Mooncake's plugin does.
 
     Args:
         url: ``http://host:port/metadata`` or ``https://...`` (system CA store).
         timeout: seconds for a whole request, connect included.
-        token: bearer token; ``None`` reads ``MC_METADATA_HTTP_TOKEN``.
+        token: bearer token, or ``None`` for none.
 
     Raises:
         InvalidArgumentError: a malformed URL or timeout.
@@ -95,8 +94,7 @@ class HttpMetadataStore(MetadataStore):
         self._url = url
         self._timeout = check_timeout(timeout)
         self._ssl = ssl.create_default_context() if https else None
-        if token is None:
-            token = os.environ.get("MC_METADATA_HTTP_TOKEN") or None
+        token = token or None
         self._auth: tuple[tuple[bytes, bytes], ...] = ()
         if token is not None:
             if any(c in token for c in "\r\n\0"):

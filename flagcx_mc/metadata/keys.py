@@ -10,8 +10,6 @@ holding one JSON object:
 
 from __future__ import annotations
 
-import os
-
 from ..errors import InvalidArgumentError
 
 __all__ = ["key_prefix", "segment_key", "rpc_meta_key"]
@@ -24,18 +22,11 @@ __all__ = ["key_prefix", "segment_key", "rpc_meta_key"]
 #               = prefix + name              (name already containing "/" is a path)
 #   rpc key     = prefix + "rpc_meta/" + name
 # e.g. MC_METADATA_CLUSTER_ID=prod: "mooncake/prod/ram/10.0.0.5:15873" and
-# "mooncake/prod/rpc_meta/10.0.0.5:15873". Mooncake reads the variable once per engine;
-# these functions read it at each call unless ``cluster_id`` is passed.
+# "mooncake/prod/rpc_meta/10.0.0.5:15873". The engine's EngineConfig reads the variable.
 
 
-def key_prefix(cluster_id: str | None = None) -> str:
-    """The common key prefix: ``"mooncake/"`` or ``"mooncake/<cluster_id>/"``.
-
-    Args:
-        cluster_id: ``None`` reads ``MC_METADATA_CLUSTER_ID``; ``""`` means no cluster id.
-    """
-    if cluster_id is None:
-        cluster_id = os.environ.get("MC_METADATA_CLUSTER_ID", "")
+def key_prefix(cluster_id: str = "") -> str:
+    """The common key prefix: ``"mooncake/"`` or ``"mooncake/<cluster_id>/"``."""
     if cluster_id and not cluster_id.endswith("/"):
         cluster_id += "/"
     return "mooncake/" + cluster_id
@@ -46,7 +37,7 @@ def _check_name(name: str, what: str) -> None:
         raise InvalidArgumentError(f"{what} must be a non-empty str, not {name!r}")
 
 
-def segment_key(name: str, cluster_id: str | None = None) -> str:
+def segment_key(name: str, cluster_id: str = "") -> str:
     """Key of a segment descriptor (Mooncake's ``getFullMetadataKey``).
 
     Raises:
@@ -58,7 +49,7 @@ def segment_key(name: str, cluster_id: str | None = None) -> str:
     return key_prefix(cluster_id) + "ram/" + name
 
 
-def rpc_meta_key(name: str, cluster_id: str | None = None) -> str:
+def rpc_meta_key(name: str, cluster_id: str = "") -> str:
     """Key of an engine's RPC location ``{"ip_or_host_name", "rpc_port"}``.
 
     Raises:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,6 +17,7 @@ from ..errors import (
 from .store import (
     DEFAULT_TIMEOUT,
     MetadataStore,
+    StoreSettings,
     check_key,
     check_timeout,
     decode_value,
@@ -50,10 +50,9 @@ def split_redis_url(url: str) -> tuple[str, int]:
     return parts.hostname, port if port is not None else REDIS_DEFAULT_PORT
 
 
-def _redis_db_index() -> int:
+def redis_db_index(text: str | None) -> int:
     """``MC_REDIS_DB_INDEX`` as Mooncake reads it: 0..255, anything else warns and gives 0."""
-    text = os.environ.get("MC_REDIS_DB_INDEX")
-    if text is None:
+    if text is None or text.strip() == "":
         return 0
     try:
         index = int(text)
@@ -69,21 +68,23 @@ def _redis_db_index() -> int:
 class RedisMetadataStore(MetadataStore):
     """Keys in a Redis server, as Mooncake's Redis plugin keeps them (``SET``/``GET``/``DEL``).
 
-    Authentication and database come from the environment, as in Mooncake:
-    ``MC_REDIS_PASSWORD`` (``AUTH`` only when non-empty), ``MC_REDIS_USERNAME`` (used
-    with the password), ``MC_REDIS_DB_INDEX`` (0..255).
+    Authentication and database come from ``settings`` (an engine's, from Mooncake's
+    ``MC_REDIS_PASSWORD``: ``AUTH`` only when non-empty; ``MC_REDIS_USERNAME``, used with the
+    password; ``MC_REDIS_DB_INDEX``, 0..255).
 
     Args:
         url: ``redis://host[:port]`` (port 6379 by default).
         timeout: socket connect and read timeout in seconds.
+        settings: credentials and database; none and database 0 by default.
 
     Raises:
         NotSupportedError: the ``redis`` package is not installed.
         InvalidArgumentError: a malformed URL or timeout.
     """
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, *, settings: StoreSettings | None = None) -> None:
         host, port = split_redis_url(url)
+        settings = settings or StoreSettings()
         timeout = check_timeout(timeout)
         try:
             import redis.asyncio as aioredis
@@ -97,12 +98,12 @@ class RedisMetadataStore(MetadataStore):
             ) from None
         self._errors = redis_errors
         self._url = url
-        password = os.environ.get("MC_REDIS_PASSWORD") or None
-        username = (os.environ.get("MC_REDIS_USERNAME") or None) if password else None
+        password = settings.redis_password or None
+        username = (settings.redis_username or None) if password else None
         self._client = aioredis.Redis(
             host=host,
             port=port,
-            db=_redis_db_index(),
+            db=settings.redis_db_index,
             username=username,
             password=password,
             socket_timeout=timeout,

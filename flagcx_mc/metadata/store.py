@@ -13,16 +13,30 @@ The errors each backend raises are listed in ``connect``; ``get`` of a missing k
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import orjson
 
 from ..errors import FlagcxMcError, InvalidArgumentError, MalformedJsonError
 
-__all__ = ["DEFAULT_TIMEOUT", "MetadataStore", "check_key", "check_timeout", "decode_value",
+__all__ = ["DEFAULT_TIMEOUT", "MetadataStore", "StoreSettings", "check_key", "check_timeout", "decode_value",
            "encode_value", "json_object"]
 
 DEFAULT_TIMEOUT = 3.0  # Mooncake's HTTP plugin: CURLOPT_TIMEOUT_MS 3000
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """What the stores are told, rather than read from the environment themselves:
+    ``EngineConfig`` reads Mooncake's variables (``MC_METADATA_CLUSTER_ID``,
+    ``MC_METADATA_HTTP_TOKEN``, ``MC_REDIS_USERNAME``/``PASSWORD``/``DB_INDEX``) once per engine."""
+
+    cluster_id: str = ""                 # prefixes every key (keys.key_prefix)
+    http_token: str | None = dataclasses.field(default=None, repr=False)  # Authorization: Bearer
+    redis_username: str | None = None    # used with the password only
+    redis_password: str | None = dataclasses.field(default=None, repr=False)  # AUTH when set
+    redis_db_index: int = 0              # 0..255
 
 
 class MetadataStore(abc.ABC):
