@@ -128,6 +128,8 @@ void fmc_peer_release(fmc_peer *peer);
 
 int fmc_batch_submit(fmc_peer *peer, int opcode, int n, const uint64_t *local,
                      const uint64_t *remote, const uint64_t *lens, fmc_batch **out);
+int fmc_batch_submit_inline(fmc_peer *peer, int opcode, int n, const uint64_t *local,
+                            const uint64_t *remote, const uint64_t *lens, fmc_batch **out);
 int fmc_batch_wait(fmc_batch *batch, int64_t timeout_ms);
 int fmc_batch_wait_done(fmc_batch *batch, int64_t timeout_ms);
 int fmc_batch_poll(fmc_batch *batch);

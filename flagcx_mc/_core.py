@@ -376,9 +376,12 @@ class CorePeer:
         rc = lib.fmc_transfer_one(self._ptr, opcode, local, remote, length, timeout_ms)
         return rc, (last_error() if rc < 0 else "")
 
-    def submit(self, opcode: int, n: int, local, remote, lens) -> CoreBatch:
+    def submit(self, opcode: int, n: int, local, remote, lens, inline: bool = False) -> CoreBatch:
+        """``inline``: a small batch goes out from this thread as far as the socket takes it
+        without blocking (for an event loop: no wake-up of the stream's sender thread)."""
         out = ffi.new("fmc_batch **")
-        _raise_for(lib.fmc_batch_submit(self._ptr, opcode, n, local, remote, lens, out))
+        submit = lib.fmc_batch_submit_inline if inline else lib.fmc_batch_submit
+        _raise_for(submit(self._ptr, opcode, n, local, remote, lens, out))
         return CoreBatch(out[0], n, (local, remote, lens))
 
     def close(self) -> None:

@@ -50,6 +50,32 @@ async def test_many_coroutines_move_the_right_bytes(transport, block):
             b.close()
 
 
+@pytest.mark.parametrize("block", [4096, 256 << 10])
+async def test_one_coroutine_back_to_back(block):
+    """A lone coroutine's small TCP calls go out from the loop (what the socket does not take at
+    once is left to the sender thread) and may end there: every byte still lands in order."""
+    n = 64
+    src, dst, back = HostBuffer(n * block), HostBuffer(n * block), HostBuffer(n * block)
+    target = AsyncTransferEngine(transport="tcp")
+    try:
+        async with AsyncTransferEngine(transport="tcp") as eng:
+            await target.initialize("127.0.0.1")
+            await target.register_memory(dst.addr, dst.size)
+            await eng.initialize("127.0.0.1")
+            await eng.batch_register_memory([src.addr, back.addr], [src.size, back.size])
+            src.fill_random()
+            for i in range(n):
+                await eng.transfer_sync_write(target.session_name, src.addr + i * block, dst.addr + i * block, block)
+            assert dst.read(0, n * block) == src.read(0, n * block)
+            for i in range(n):
+                await eng.transfer_sync_read(target.session_name, back.addr + i * block, dst.addr + i * block, block)
+            assert back.read(0, n * block) == src.read(0, n * block)
+    finally:
+        await target.close()
+        for b in (src, dst, back):
+            b.close()
+
+
 @pytest.fixture(scope="module")
 def frozen_node():
     proc = NodeProcess(regions=[BIG, 1 << 20], config={"transfer_timeout": 30.0})
@@ -86,6 +112,35 @@ async def test_deadline_expires_in_the_poller(frozen_node):
         assert all(isinstance(r, (errors.TransferTimeoutError, errors.PeerConnectionError)) for r in results), results
         assert any(isinstance(r, errors.TransferTimeoutError) for r in results), results
         assert elapsed < 8.0
+        await asyncio.sleep(0.5)
+        await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)  # reconnects
+    finally:
+        await eng.close()
+        buf.close()
+
+
+async def test_lone_writes_fill_a_frozen_peers_socket(frozen_node):
+    """Lone small writes sent from the loop into a frozen peer: the socket fills, the rest of a
+    call waits on the sender thread, the deadline ends the call, and the engine reconnects."""
+    node = frozen_node
+    buf = HostBuffer(2 * BIG)
+    eng = await _engine_on(node, buf, transfer_timeout=1.0)
+    block = 256 << 10
+    try:
+        await asyncio.to_thread(node.freeze)
+        try:
+            failed = []
+            t0 = time.monotonic()
+            for i in range(BIG // block):
+                try:
+                    await eng.transfer_sync_write(node.session, buf.addr + i * block, node.addr(0, i * block), block)
+                except (errors.TransferTimeoutError, errors.PeerConnectionError) as exc:
+                    failed.append(exc)  # the stream is cut: the next call would reconnect
+                    break
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        assert len(failed) == 1 and elapsed < 8.0
         await asyncio.sleep(0.5)
         await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)  # reconnects
     finally:

@@ -31,6 +31,9 @@ int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (engine/fmc_batch.
 /* Transfers up to this size are "small": worth polling for, and (on one idle stream) sent by
  * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
+/* A send deadline that means: never block; what the socket does not take now goes to the
+ * stream's sender thread (fmc_batch_submit_inline). */
+#define FMC_INLINE_NOWAIT (-2)
 /* fmc_spin_us, or 0 after a transfer that is not small. */
 int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes);
 void fmc_deadline_ts(int64_t timeout_ms, struct timespec *ts);
@@ -88,6 +91,9 @@ void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
 int fmc_iov_merge(struct iovec *iov, int iovcnt);
 /* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
 int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
+/* Send what the socket takes without blocking; *iov and *iovcnt are left at the unsent rest
+ * (*iovcnt 0 when all went).  -1 on error, else 0. */
+int fmc_sendv_nowait(int fd, struct iovec **iov, int *iovcnt);
 int fmc_recv_all(int fd, void *buf, size_t len);
 /* 1 if the connection was reset (or shut down both ways), without waiting: POLLERR/POLLHUP show
  * even while bytes that arrived before the reset are still readable. */
@@ -352,6 +358,7 @@ typedef struct fmc_stream {
     fmc_slice_list receiving; /* answered, payload being read into local memory */
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
+    int handoff;              /* an inline round that could not block left its rest to the sender thread */
     /* The receive side is owned by the receiver thread, except while a synchronous caller reads
      * its own answers (`caller_recv`).  While nothing is in flight, or a caller owns it, the
      * thread parks in poll() on wake_fd and on the socket for POLLRDHUP only: data arriving

@@ -132,3 +132,16 @@ def outcome_now(batch: CoreBatch) -> Outcome | None:
     if state == 0:
         return None
     return (0, "") if state == 1 else (state, last_error() or _reason(state))
+
+
+def outcome_soon(batch: CoreBatch, spin_s: float) -> Outcome | None:
+    """``outcome_now`` polled for up to ``spin_s`` seconds: a small TCP batch sent from this
+    thread often ends within a loopback round trip, and ending it here spares the poller's
+    wake-up of the loop."""
+    until = time.perf_counter() + spin_s
+    while True:
+        state = batch.poll()
+        if state != 0:
+            return (0, "") if state == 1 else (state, _reason(state))
+        if time.perf_counter() >= until:
+            return None

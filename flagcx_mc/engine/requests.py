@@ -63,12 +63,13 @@ class TransferRequest:
         timeout_ms = int(config.timeout_for(self.total_bytes) * 1000)
         return session.peer.transfer_packed(self.opcode, self.count, self.packed, timeout_ms)
 
-    def submit(self, session) -> CoreBatch:
-        """Start the transfer without waiting (raises for ranges outside registered memory)."""
+    def submit(self, session, inline: bool = False) -> CoreBatch:
+        """Start the transfer without waiting (raises for ranges outside registered memory);
+        ``inline``: see ``CorePeer.submit``."""
         # The batch keeps the view (which keeps `packed`) alive; remote and lengths point into it.
         arrays = ffi.from_buffer("uint64_t[]", self.packed)
         slots = max(self.count, 1)
-        return session.peer.submit(self.opcode, self.count, arrays, arrays + slots, arrays + 2 * slots)
+        return session.peer.submit(self.opcode, self.count, arrays, arrays + slots, arrays + 2 * slots, inline)
 
 
 class SingleTransfer:
@@ -86,8 +87,9 @@ class SingleTransfer:
         timeout_ms = int(config.timeout_for(self.length) * 1000)
         return session.peer.transfer_one(self.opcode, self.buffer, self.peer_address, self.length, timeout_ms)
 
-    def submit(self, session) -> CoreBatch:
-        return TransferRequest.build(self.opcode, [self.buffer], [self.peer_address], [self.length]).submit(session)
+    def submit(self, session, inline: bool = False) -> CoreBatch:
+        return TransferRequest.build(self.opcode, [self.buffer], [self.peer_address], [self.length]).submit(
+            session, inline)
 
 
 def opcode_name(opcode: int) -> str:

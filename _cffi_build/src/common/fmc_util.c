@@ -406,6 +406,24 @@ int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_m
     return sendv_loop(fd, iov, iovcnt, 0, deadline_ms < 0 ? 0 : deadline_ms);
 }
 
+int fmc_sendv_nowait(int fd, struct iovec **iov, int *iovcnt)
+{
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    while (*iovcnt > 0) {
+        msg.msg_iov = *iov;
+        msg.msg_iovlen = (size_t)*iovcnt;
+        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+        }
+        fmc_iov_advance(iov, iovcnt, (size_t)n);
+    }
+    return 0;
+}
+
 int fmc_recv_all(int fd, void *buf, size_t len)
 {
     uint8_t *p = buf;

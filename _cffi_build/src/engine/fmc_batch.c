@@ -168,8 +168,17 @@ int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
     return submit(p, opcode, n, local, remote, lens, out, -1, NULL);
 }
 
+/* fmc_batch_submit for a caller that must not block (an event loop): a small transfer that
+ * fits one idle stream is sent from its thread as far as the socket takes it at once, the rest
+ * by the sender thread; its answers are always read by the receiver thread. */
+int fmc_batch_submit_inline(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                            const uint64_t *lens, fmc_batch **out)
+{
+    return submit(p, opcode, n, local, remote, lens, out, FMC_INLINE_NOWAIT, NULL);
+}
+
 /* inline_deadline_ms >= 0: the caller waits for the batch (fmc_transfer), so a small one may be
- * sent from its thread; with `receiving` also set, a write's caller may read its own answers
+ * sent from its thread (FMC_INLINE_NOWAIT: as far as it goes without blocking); with `receiving` also set, a write's caller may read its own answers
  * (*receiving: the stream whose receive side it then owns, see fmc_stream_caller_receive). */
 static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                   const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving)
@@ -216,7 +225,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         total += lens[i];
     }
     if (p->sh) {
-        rc = same_host(p, opcode, n, local, remote, lens, ldev, out, inline_deadline_ms);
+        rc = same_host(p, opcode, n, local, remote, lens, ldev, out, inline_deadline_ms == FMC_INLINE_NOWAIT ? -1 : inline_deadline_ms);
         if (rc != 1) {
             free(keys);
             free(ldev);
@@ -277,7 +286,8 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
      * that fits one stream, and a synchronous read's requests on every stream: they carry no
      * payload, and each wake-up spared costs tens of microseconds on a loaded small machine.
      * Other writes keep their sender threads, which push the streams' payloads in parallel. */
-    int small = used == 1 && inline_deadline_ms >= 0 && b->bytes <= FMC_SMALL_TRANSFER_BYTES;
+    int small = used == 1 && (inline_deadline_ms >= 0 || inline_deadline_ms == FMC_INLINE_NOWAIT) &&
+                b->bytes <= FMC_SMALL_TRANSFER_BYTES;
     int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
     int claim = small && receiving && opcode == FMC_OP_WRITE && fmc_spin_us(p->engine) > 0;
     for (int i = 0; i < p->nstreams; i++) {

@@ -140,7 +140,11 @@ typedef struct send_scratch {
     fmc_slice *writes[FMC_IOV_MAX]; /* write slices of the current sendmsg */
     uint64_t copy_dst[FMC_IOV_MAX], copy_src[FMC_IOV_MAX]; /* its GPU sources' staging copies */
     size_t copy_len[FMC_IOV_MAX];
+    struct iovec *rest; /* a handed-off round (st->handoff): its unsent iovecs */
+    int rest_n, rest_nw, rest_nzc, rest_gpu;
 } send_scratch;
+
+static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc);
 
 /* A write payload that may leave zero-copy (fmc_splice.c): host memory (GPU sources are staged
  * in a buffer the next round reuses), large enough to pay for the extra syscalls, and to our own
@@ -315,6 +319,34 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (first_sent && st->recv_parked && !st->caller_recv && !st->recv_in)
         wake_receiver(st); /* answers will come: before the first byte leaves */
     int fd = st->fd;
+    if (deadline_ms == FMC_INLINE_NOWAIT) {
+        /* A GPU source (staging waits on a copy) or a zero-copy payload goes whole to the sender
+         * thread; otherwise send what the socket takes now and leave it the rest. */
+        int gpu = 0;
+        for (int i = 0; i < nw; i++)
+            gpu |= sc->writes[i]->local_dev >= 0;
+        struct iovec *rest = sc->iov;
+        int rest_n = niov;
+        if (!gpu && !nzc) {
+            pthread_mutex_unlock(&st->mu);
+            int rc = fmc_sendv_nowait(fd, &rest, &rest_n);
+            pthread_mutex_lock(&st->mu);
+            if (rc < 0)
+                return end_round(st, sc, nw, rc);
+        }
+        if (rest_n == 0)
+            return end_round(st, sc, nw, 0);
+        if (st->dead) /* the sender thread may be gone: the exit path fails the slices */
+            return end_round(st, sc, nw, -1);
+        sc->rest = rest;
+        sc->rest_n = rest_n;
+        sc->rest_nw = nw;
+        sc->rest_nzc = nzc;
+        sc->rest_gpu = gpu;
+        st->handoff = 1;
+        pthread_cond_broadcast(&st->cv); /* an exit path may wait on cv too */
+        return 0;
+    }
     pthread_mutex_unlock(&st->mu);
     int rc = stage_gpu_sources(st, sc, niov, nw);
     if (rc == 0 && deadline_ms >= 0)
@@ -325,6 +357,12 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         fmc_engine_log(st->peer->engine, "a write to %s:%d failed: the kernel refused to read its source (its "
                        "protection changed after registration?); stream closed", st->peer->host, st->peer->data_port);
     pthread_mutex_lock(&st->mu);
+    return end_round(st, sc, nw, rc);
+}
+
+/* The end of a send round, with st->mu held: returns rc. */
+static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc)
+{
     /* sendmsg no longer reads these slices.  Nobody else finishes a slice while `sending` is
      * set, so the pointers are still valid; the ones already answered are ours to finish. */
     for (int i = 0; i < nw; i++)
@@ -344,6 +382,23 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     return rc;
 }
 
+/* The rest of a round an inline caller left (send_round with FMC_INLINE_NOWAIT), with st->mu
+ * held and sending_active still set by that round. */
+static int finish_handoff(fmc_stream *st)
+{
+    send_scratch *sc = st->scratch;
+    st->handoff = 0;
+    int fd = st->fd, nw = sc->rest_nw;
+    pthread_mutex_unlock(&st->mu);
+    int rc = sc->rest_gpu ? stage_gpu_sources(st, sc, sc->rest_n, nw) : 0; /* then nothing was sent */
+    if (rc == 0)
+        rc = sc->rest_nzc && fmc_zc_enabled(st->peer->engine)
+                 ? fmc_sendv_zc(fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov), st->zc_pipe)
+                 : fmc_sendv_all(fd, sc->rest, sc->rest_n);
+    pthread_mutex_lock(&st->mu);
+    return end_round(st, sc, nw, rc);
+}
+
 void *fmc_stream_send_main(void *arg)
 {
     fmc_stream *st = arg;
@@ -355,12 +410,24 @@ void *fmc_stream_send_main(void *arg)
     pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     pthread_mutex_lock(&st->mu);
     for (;;) {
-        while (!st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
+        while (!st->handoff && !st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
             pthread_cond_wait(&st->cv, &st->mu);
+        if (st->handoff) { /* before leaving too: the round's slices are `sending` until it ends */
+            if (finish_handoff(st) < 0)
+                break;
+            continue;
+        }
         if (st->dead)
             break;
         if (send_round(st, -1) < 0)
             break;
+    }
+    /* Dead from here on, before mu is let go: an inline round must not hand this thread its
+     * rest any more (send_round sees `dead`). */
+    if (!st->dead) {
+        st->dead = 1;
+        if (st->fd >= 0)
+            shutdown(st->fd, SHUT_RDWR);
     }
     pthread_mutex_unlock(&st->mu);
     stream_thread_exit(st);
