@@ -128,8 +128,6 @@ void fmc_peer_release(fmc_peer *peer);
 
 int fmc_batch_submit(fmc_peer *peer, int opcode, int n, const uint64_t *local,
                      const uint64_t *remote, const uint64_t *lens, fmc_batch **out);
-int fmc_batch_submit_inline(fmc_peer *peer, int opcode, int n, const uint64_t *local,
-                            const uint64_t *remote, const uint64_t *lens, fmc_batch **out);
 int fmc_batch_wait(fmc_batch *batch, int64_t timeout_ms);
 int fmc_batch_wait_done(fmc_batch *batch, int64_t timeout_ms);
 int fmc_batch_poll(fmc_batch *batch);
@@ -140,6 +138,12 @@ int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const
                  const uint64_t *lens, int64_t timeout_ms);
 int fmc_transfer_one(fmc_peer *peer, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t timeout_ms);
 int fmc_transfer_packed(fmc_peer *peer, int opcode, int n, const char *packed, int64_t timeout_ms);
+int fmc_transfer_start(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                       const uint64_t *lens, int64_t poll_us, fmc_batch **pending);
+int fmc_transfer_start_one(fmc_peer *peer, int opcode, uint64_t local, uint64_t remote, uint64_t len,
+                           int64_t poll_us, fmc_batch **pending);
+int fmc_transfer_start_packed(fmc_peer *peer, int opcode, int n, const char *packed, int64_t poll_us,
+                              fmc_batch **pending);
 
 /* device buffers: GPU memory without a framework (flagcx_mc.buffers.DeviceBuffer), through the
  * core's libcuda; FMC_ERR_NOT_IMPLEMENTED where there is no driver */

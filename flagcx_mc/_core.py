@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from . import errors
 from .metadata.descriptor import MAX_GPU_CHUNKS, GpuShare, gpu_uuid_bytes, gpu_uuid_text
@@ -376,16 +376,33 @@ class CorePeer:
         rc = lib.fmc_transfer_one(self._ptr, opcode, local, remote, length, timeout_ms)
         return rc, (last_error() if rc < 0 else "")
 
-    def submit(self, opcode: int, n: int, local, remote, lens, inline: bool = False) -> CoreBatch:
-        """``inline``: a small batch goes out from this thread as far as the socket takes it
-        without blocking (for an event loop: no wake-up of the stream's sender thread)."""
+    def submit(self, opcode: int, n: int, local, remote, lens) -> CoreBatch:
         out = ffi.new("fmc_batch **")
-        submit = lib.fmc_batch_submit_inline if inline else lib.fmc_batch_submit
-        _raise_for(submit(self._ptr, opcode, n, local, remote, lens, out))
+        _raise_for(lib.fmc_batch_submit(self._ptr, opcode, n, local, remote, lens, out))
         return CoreBatch(out[0], n, (local, remote, lens))
+
+    def start_one(self, opcode: int, local: int, remote: int, length: int, poll_us: int) -> tuple[int, str, Any]:
+        """Start one range without blocking for more than ``poll_us`` (see ``fmc_transfer_start``):
+        ``(rc, why, None)`` when it ended here, else ``(0, "", batch)`` still in flight.  For an
+        event loop's thread: on one host the copy runs here, whatever its size."""
+        out = ffi.new("fmc_batch **")
+        rc = lib.fmc_transfer_start_one(self._ptr, opcode, local, remote, length, poll_us, out)
+        return _started(rc, out, 1, None)
+
+    def start_packed(self, opcode: int, n: int, packed: bytes, poll_us: int) -> tuple[int, str, Any]:
+        """``start_one`` of pack3's buffer of ``n`` ranges."""
+        out = ffi.new("fmc_batch **")
+        rc = lib.fmc_transfer_start_packed(self._ptr, opcode, n, packed, poll_us, out)
+        return _started(rc, out, n, packed)
 
     def close(self) -> None:
         lib.fmc_peer_close(self._ptr)
+
+
+def _started(rc: int, out, n: int, keepalive) -> tuple[int, str, Any]:
+    if rc < 0:
+        return rc, last_error(), None
+    return 0, "", (CoreBatch(out[0], n, keepalive) if out[0] != ffi.NULL else None)
 
 
 class CoreBatch:

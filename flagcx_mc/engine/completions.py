@@ -21,13 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from .. import errors
-from .._core import CoreBatch, last_error
+from .._core import CoreBatch
 
 __all__ = ["Completions"]
 
 _TIMEOUT_CODE = errors.TransferTimeoutError.code
 
-Outcome = tuple[int, str]
 
 _WAIT_SLICE = 0.005  # seconds the poller waits for the oldest batch before looking at the others
 _DEADLINE_SLACK = 0.01  # batches this close to their deadline when another expires time out with it
@@ -123,25 +122,3 @@ def _reason(code: int) -> str:
     if code == _TIMEOUT_CODE:
         return "timed out (the batch was cancelled at its deadline)"
     return errors.error_for_code(code, "").__class__.__name__
-
-
-def outcome_now(batch: CoreBatch) -> Outcome | None:
-    """``(rc, why)`` of a batch this thread just submitted if it already ended (on one host a
-    small copy ends inside submit, and its failure's message is this thread's), else ``None``."""
-    state = batch.poll()
-    if state == 0:
-        return None
-    return (0, "") if state == 1 else (state, last_error() or _reason(state))
-
-
-def outcome_soon(batch: CoreBatch, spin_s: float) -> Outcome | None:
-    """``outcome_now`` polled for up to ``spin_s`` seconds: a small TCP batch sent from this
-    thread often ends within a loopback round trip, and ending it here spares the poller's
-    wake-up of the loop."""
-    until = time.perf_counter() + spin_s
-    while True:
-        state = batch.poll()
-        if state != 0:
-            return (0, "") if state == 1 else (state, _reason(state))
-        if time.perf_counter() >= until:
-            return None

@@ -63,13 +63,17 @@ class TransferRequest:
         timeout_ms = int(config.timeout_for(self.total_bytes) * 1000)
         return session.peer.transfer_packed(self.opcode, self.count, self.packed, timeout_ms)
 
-    def submit(self, session, inline: bool = False) -> CoreBatch:
-        """Start the transfer without waiting (raises for ranges outside registered memory);
-        ``inline``: see ``CorePeer.submit``."""
+    def submit(self, session) -> CoreBatch:
+        """Start the transfer without waiting (raises for ranges outside registered memory)."""
         # The batch keeps the view (which keeps `packed`) alive; remote and lengths point into it.
         arrays = ffi.from_buffer("uint64_t[]", self.packed)
         slots = max(self.count, 1)
-        return session.peer.submit(self.opcode, self.count, arrays, arrays + slots, arrays + 2 * slots, inline)
+        return session.peer.submit(self.opcode, self.count, arrays, arrays + slots, arrays + 2 * slots)
+
+    def start(self, session, poll_us: int) -> tuple[int, str, CoreBatch | None]:
+        """Start the transfer from an event loop's thread (``CorePeer.start_one``): ``(rc, why,
+        None)`` if it ended within ``poll_us``, else ``(0, "", batch)`` in flight."""
+        return session.peer.start_packed(self.opcode, self.count, self.packed, poll_us)
 
 
 class SingleTransfer:
@@ -87,9 +91,11 @@ class SingleTransfer:
         timeout_ms = int(config.timeout_for(self.length) * 1000)
         return session.peer.transfer_one(self.opcode, self.buffer, self.peer_address, self.length, timeout_ms)
 
-    def submit(self, session, inline: bool = False) -> CoreBatch:
-        return TransferRequest.build(self.opcode, [self.buffer], [self.peer_address], [self.length]).submit(
-            session, inline)
+    def submit(self, session) -> CoreBatch:
+        return TransferRequest.build(self.opcode, [self.buffer], [self.peer_address], [self.length]).submit(session)
+
+    def start(self, session, poll_us: int) -> tuple[int, str, CoreBatch | None]:
+        return session.peer.start_one(self.opcode, self.buffer, self.peer_address, self.length, poll_us)
 
 
 def opcode_name(opcode: int) -> str:

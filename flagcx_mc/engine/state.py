@@ -29,7 +29,7 @@ from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
 from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
-from .completions import Completions, outcome_now, outcome_soon
+from .completions import Completions
 from .managed import ManagedPool
 from .metrics import EngineMetrics
 from .requests import OP_WRITE, SingleTransfer, TransferRequest, needs_refresh, opcode_name
@@ -46,9 +46,10 @@ _MAX_QUEUED_NOTIFIES = 65536
 # On one host a transfer's copy runs inside submit: up to this many bytes it is short enough to
 # run on the event loop; larger ones take an executor thread (the core's limit for "small").
 INLINE_COPY_BYTES = 256 << 10
-# How long the loop polls a small TCP batch it sent itself before handing it to the poller: a
-# loopback round trip often ends within it, and each hand-off costs two thread wake-ups.
-SUBMIT_SPIN_S = 25e-6
+# How long the loop may wait for a lone small call's answer before handing it to the poller:
+# a hand-off costs two thread wake-ups (~100 us on a loaded 2-core VM), more than a loopback
+# round trip even under load, so waiting is cheaper for the loop too.
+LONE_POLL_US = 150
 
 
 class EngineState:
@@ -271,44 +272,40 @@ class EngineState:
     async def transfer(self, target: str, req: TransferRequest | SingleTransfer, session: Session) -> tuple[int, str]:
         """A transfer call's first try on ``session``: ``(rc, reason)``.
 
-        Submitted from the loop thread, which does not block: over TCP the core only enqueues
-        the batch; on one host it copies inside submit, so only copies of up to
-        ``INLINE_COPY_BYTES`` run here and larger ones in the executor.  A batch already done
-        completes without leaving the loop; others are awaited through ``Completions``.  A
-        cancelled call waits for its batch to end (done, or cancelled by the poller at its
-        deadline) before ``CancelledError`` propagates, so nothing touches either side's buffers
-        after it returns."""
+        Started from the loop thread, which does not block long: over TCP the core only queues
+        the batch or sends a small one as far as the socket takes it at once; on one host it
+        copies inside the call, so only copies of up to ``INLINE_COPY_BYTES`` run here and larger
+        ones in the executor.  A lone small call (no other call of this engine waiting) also
+        keeps the loop for up to ``LONE_POLL_US`` (none where the engine's ``spin_us`` is 0): its
+        answer is then read here and the call costs no thread hop.
+        Calls that have not ended are awaited through ``Completions``.  A cancelled call waits
+        for its batch to end (done, or cancelled by the poller at its deadline) before
+        ``CancelledError`` propagates, so nothing touches either side's buffers after it
+        returns."""
         peer = session.peer
         if req.total_bytes > INLINE_COPY_BYTES and peer.same_host:
             return await self.run_blocking(req.run, session, self.config)  # the core counts a success
         started = time.perf_counter()
-        # A lone small TCP call is sent from the loop and polled briefly (no thread hop when its
-        # round trip is quick).  With other calls in flight the sender thread packs many into one
-        # sendmsg, and a poll would stall them all: measured, both cost those calls half their rate.
-        small = self._awaiting == 0 and req.total_bytes <= INLINE_COPY_BYTES and not peer.same_host
+        # With other calls in flight the sender threads pack many into one send, and polling
+        # here would stall the loop that serves them: measured, both halve those calls' rate.
+        poll_us = LONE_POLL_US if self._awaiting == 0 else -1
+        rc, why, batch = req.start(session, poll_us)
+        if batch is None:
+            return rc, why  # ended here: a success is counted by the core
+        assert self._completions is not None
+        deadline = time.monotonic() + self.config.timeout_for(req.total_bytes)
+        future = self._completions.wait(batch, deadline)
+        self._awaiting += 1
         try:
-            batch = req.submit(session, small)
-        except errors.FlagcxMcError as exc:
-            return exc.code, str(exc)
-        outcome: tuple[int, str] | None = outcome_now(batch)
-        if outcome is None and small and SUBMIT_SPIN_S > 0:
-            outcome = outcome_soon(batch, SUBMIT_SPIN_S)
-        if outcome is None:
-            assert self._completions is not None
-            deadline = time.monotonic() + self.config.timeout_for(req.total_bytes)
-            future = self._completions.wait(batch, deadline)
-            self._awaiting += 1
-            try:
-                outcome = await asyncio.shield(future)  # (rc, why)
-            except asyncio.CancelledError:
-                # Wait for the batch's end (its deadline bounds it) rather than cancel it: a
-                # cancel cuts the stream, which would fail other calls' batches riding on it.
-                await _finish(future)
-                raise
-            finally:
-                self._awaiting -= 1
-        assert outcome is not None
-        if outcome[0] == 0:  # submitted batches are not counted by the core: count here
+            outcome = await asyncio.shield(future)  # (rc, why)
+        except asyncio.CancelledError:
+            # Wait for the batch's end (its deadline bounds it) rather than cancel it: a
+            # cancel cuts the stream, which would fail other calls' batches riding on it.
+            await _finish(future)
+            raise
+        finally:
+            self._awaiting -= 1
+        if outcome[0] == 0:  # batches ended by the poller are not counted by the core: count here
             self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
         return outcome
 

@@ -168,15 +168,6 @@ int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
     return submit(p, opcode, n, local, remote, lens, out, -1, NULL);
 }
 
-/* fmc_batch_submit for a caller that must not block (an event loop): a small transfer that
- * fits one idle stream is sent from its thread as far as the socket takes it at once, the rest
- * by the sender thread; its answers are always read by the receiver thread. */
-int fmc_batch_submit_inline(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                            const uint64_t *lens, fmc_batch **out)
-{
-    return submit(p, opcode, n, local, remote, lens, out, FMC_INLINE_NOWAIT, NULL);
-}
-
 /* inline_deadline_ms >= 0: the caller waits for the batch (fmc_transfer), so a small one may be
  * sent from its thread (FMC_INLINE_NOWAIT: as far as it goes without blocking); with `receiving` also set, a write's caller may read its own answers
  * (*receiving: the stream whose receive side it then owns, see fmc_stream_caller_receive). */
@@ -488,6 +479,16 @@ static void count_call(fmc_peer *p, int opcode, int n, const uint64_t *lens, int
     __atomic_fetch_add(&c->buckets[k], 1, __ATOMIC_RELAXED);
 }
 
+/* The thread's error message for a transfer that failed with `rc` (not a timeout). */
+static void set_failure_reason(const fmc_peer *p, int rc)
+{
+    fmc_set_error("transfer to %s:%d failed (%s)", p->host, p->data_port,
+                  rc == FMC_ERR_REMOTE_REFUSED    ? "the target refused a range"
+                  : rc == FMC_ERR_INVALID_ARGUMENT ? "the kernel refused to write a local buffer: its "
+                                                     "protection changed after registration?"
+                                                   : "connection lost");
+}
+
 int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms)
 {
@@ -507,13 +508,8 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
         spin = 0; /* polled already */
     }
     rc = batch_wait(b, timeout_ms, spin);
-    if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT) {
-        fmc_set_error("transfer to %s:%d failed (%s)", p->host, p->data_port,
-                      rc == FMC_ERR_REMOTE_REFUSED    ? "the target refused a range"
-                      : rc == FMC_ERR_INVALID_ARGUMENT ? "the kernel refused to write a local buffer: its "
-                                                         "protection changed after registration?"
-                                                       : "connection lost");
-    }
+    if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT)
+        set_failure_reason(p, rc);
     fmc_batch_free(b);
     if (rc == FMC_OK)
         count_call(p, opcode, n, lens, start_us);
@@ -537,4 +533,66 @@ int fmc_transfer_packed(fmc_peer *p, int opcode, int n, const char *packed, int6
 int fmc_transfer_one(fmc_peer *p, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t timeout_ms)
 {
     return fmc_transfer(p, opcode, 1, &local, &remote, &len, timeout_ms);
+}
+
+/* For a caller that must not block (an event loop's thread): start a transfer and keep this
+ * thread at most `poll_us` for its end.  poll_us < 0: queue it for the streams' sender threads
+ * (with other calls in flight they pack many into one send); >= 0: a small transfer on an idle
+ * stream is sent from this thread as far as the socket takes it at once, and for up to poll_us
+ * a small write's answers are read here and any other small batch's end is polled for (none
+ * where the engine's spin_us is 0).  On one host the copy happens here, whatever poll_us.
+ * Returns the outcome when the transfer ended (*pending = NULL; a success is counted as
+ * fmc_transfer counts it), else FMC_OK with the batch still in flight in *pending. */
+int fmc_transfer_start(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                       const uint64_t *lens, int64_t poll_us, fmc_batch **pending)
+{
+    *pending = NULL;
+    fmc_batch *b = NULL;
+    fmc_stream *receiving = NULL;
+    int64_t start_us = fmc_now_us();
+    int rc = submit(p, opcode, n, local, remote, lens, &b, poll_us < 0 ? -1 : FMC_INLINE_NOWAIT,
+                    poll_us > 0 ? &receiving : NULL);
+    if (rc != FMC_OK)
+        return rc;
+    if (poll_us > 0) {
+        /* Only small transfers, and not at all where the engine never polls (spin_us 0). */
+        int64_t until = start_us + (fmc_spin_us_after(p->engine, b->bytes) > 0 ? poll_us : 0);
+        if (receiving)
+            fmc_stream_caller_receive(receiving, b, until); /* also hands the receive side back */
+        while (!__atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) && fmc_now_us() < until)
+            sched_yield();
+    }
+    rc = fmc_batch_poll(b);
+    if (rc == 0) {
+        *pending = b;
+        return FMC_OK;
+    }
+    fmc_batch_free(b);
+    if (rc == 1) {
+        count_call(p, opcode, n, lens, start_us);
+        return FMC_OK;
+    }
+    set_failure_reason(p, rc);
+    return rc;
+}
+
+/* fmc_transfer_start of one range, as plain ints: no arrays to build in Python. */
+int fmc_transfer_start_one(fmc_peer *p, int opcode, uint64_t local, uint64_t remote, uint64_t len, int64_t poll_us,
+                           fmc_batch **pending)
+{
+    return fmc_transfer_start(p, opcode, 1, &local, &remote, &len, poll_us, pending);
+}
+
+/* fmc_transfer_start of pack3's one buffer (see fmc_transfer_packed). */
+int fmc_transfer_start_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t poll_us,
+                              fmc_batch **pending)
+{
+    *pending = NULL;
+    if (!packed || n < 0) {
+        fmc_set_error("transfer: no arguments");
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    const uint64_t *local = (const uint64_t *)(const void *)packed;
+    size_t slots = n > 0 ? (size_t)n : 1;
+    return fmc_transfer_start(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending);
 }
