@@ -197,3 +197,59 @@ async def test_close_fails_waiting_coroutines_promptly(frozen_node):
     finally:
         await eng.close()
         buf.close()
+
+
+async def test_cancelled_batch_wait_cancels_its_batch(frozen_node):
+    """``get_batch_transfer_status`` waits through the poller: a cancelled wait cancels the
+    batch (not waiting for its 20 s deadline) and returns only once nothing more lands."""
+    node = frozen_node
+    buf = HostBuffer(2 * BIG)
+    eng = await _engine_on(node, buf, transfer_timeout=20.0)
+    try:
+        await asyncio.to_thread(node.call, "set", region=0, byte=0x00)
+        buf.fill(0x11, 0, BIG)
+        await asyncio.to_thread(node.freeze)
+        try:
+            batch_id = await eng.batch_transfer_async_write(node.session, [buf.addr], [node.addr(0)], [BIG])
+            task = asyncio.ensure_future(eng.get_batch_transfer_status([batch_id]))
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            t0 = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - t0 < 5.0
+            buf.fill(0x22, 0, BIG)
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        assert (await asyncio.to_thread(node.call, "count_byte", region=0, byte=0x22))["count"] == 0
+    finally:
+        await eng.close()
+        buf.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "same-host"])
+async def test_many_async_batches_complete_through_the_poller(transport):
+    """Batches started from the loop (no executor hop) and waited for together: every byte lands."""
+    n, block = 48, 64 << 10
+    src, dst = HostBuffer(n * block), HostBuffer(n * block)
+    target = AsyncTransferEngine(transport=transport)
+    try:
+        async with AsyncTransferEngine(transport=transport) as eng:
+            await target.initialize("127.0.0.1")
+            await target.register_memory(dst.addr, dst.size)
+            await eng.initialize("127.0.0.1")
+            await eng.register_memory(src.addr, src.size)
+            src.fill_random()
+            ids = [await eng.batch_transfer_async_write(target.session_name, [src.addr + i * block],
+                                                        [dst.addr + (n - 1 - i) * block], [block]) for i in range(n)]
+            await eng.get_batch_transfer_status(ids)
+            for i in range(n):
+                assert dst.read((n - 1 - i) * block, block) == src.read(i * block, block)
+            with pytest.raises(errors.InvalidArgumentError):
+                await eng.get_batch_transfer_status(ids[:1])  # forgotten once done
+    finally:
+        await target.close()
+        src.close()
+        dst.close()

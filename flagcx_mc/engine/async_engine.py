@@ -309,25 +309,25 @@ class AsyncTransferEngine:
     async def _submit(self, target: str, req: TransferRequest | SingleTransfer) -> int:
         sessions = self._state.require_sessions()
         session = await sessions.get(target)
-        try:  # off the loop: on one host the copy happens inside submit
-            batch = await self._in_executor(req.submit, session)
+        try:
+            batch = await self._state.submit_batch(req, session)
         except errors.AddressNotRegisteredError:
             session = await sessions.refresh(target, session)
-            batch = await self._in_executor(req.submit, session)
+            batch = await self._state.submit_batch(req, session)
         deadline = time.monotonic() + self._state.config.timeout_for(req.total_bytes)
         return self._state.batches.add(PendingBatch(batch, target, deadline))
 
     async def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> None:
         """Wait for every batch; each is forgotten once done.  Raises the first failure."""
         first: errors.FlagcxMcError | None = None
+        waits: list[tuple[int, PendingBatch]] = []
         for batch_id in as_u64_list(batch_ids, "batch_ids"):
             try:
-                pending = self._state.batches.get(batch_id)
+                waits.append((batch_id, self._state.batches.get(batch_id)))
             except errors.FlagcxMcError as exc:
                 first = first or exc
-                continue
-            rc, why = await self._state.run_blocking(pending.batch.wait, pending.remaining_ms(),
-                                                     on_cancel=pending.batch.cancel)
+        outcomes = await self._state.batch_outcomes([(p.batch, p.deadline) for _, p in waits])
+        for (batch_id, pending), (rc, why) in zip(waits, outcomes, strict=True):
             self._state.batches.discard(batch_id)
             if rc != 0 and first is None:
                 first = errors.error_for_code(rc, f"batch {batch_id} to {pending.target} failed: {why}")
@@ -379,7 +379,7 @@ class AsyncTransferEngine:
             raise errors.InvalidArgumentError("each size must be at most its descriptor's size")
         req = TransferRequest.build(op, local_addrs, [d.addr for d in descs], sizes)
         deadline = time.monotonic() + self._state.config.timeout_for(req.total_bytes)
-        batch = await self._in_executor(req.submit, conn)
+        batch = await self._state.submit_batch(req, conn)
         return self._state.batches.add(PendingBatch(batch, conn.name, deadline))
 
     async def xfer_status(self, xfer_id: int) -> int:

@@ -70,6 +70,15 @@ class Completions:
             raise errors.EngineStateError("engine closed") from None
         return future
 
+    def outcome(self, batch: CoreBatch, deadline: float) -> asyncio.Future:
+        """``wait``, or a future already resolved if ``batch`` has ended (no poller needed)."""
+        state = batch.poll()
+        if state == 0:
+            return self.wait(batch, deadline)
+        future = self._loop.create_future()
+        future.set_result((0, "") if state == 1 else (state, _reason(state)))
+        return future
+
     def _run(self) -> None:
         pending: list[_Entry] = []
         inbox = self._inbox

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .. import errors
-from .._core import CoreEngine
+from .._core import CoreBatch, CoreEngine
 from ..config import EngineConfig
 from ..control.auth import guard_handlers
 from ..control.handshake import HandshakeServer
@@ -308,6 +308,33 @@ class EngineState:
         if outcome[0] == 0:  # batches ended by the poller are not counted by the core: count here
             self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
         return outcome
+
+    async def submit_batch(self, req: TransferRequest | SingleTransfer, session: Session) -> CoreBatch:
+        """Start an asynchronous batch (``batch_transfer_async_*``, vectors) from the loop: over
+        TCP the core only queues it; on one host it copies inside submit, so copies larger than
+        ``INLINE_COPY_BYTES`` go to the executor.  Raises for ranges outside registered memory."""
+        if session.peer.same_host and req.total_bytes > INLINE_COPY_BYTES:
+            return await self.run_blocking(req.submit, session)
+        return req.submit(session)
+
+    async def batch_outcomes(self, waits: list[tuple[CoreBatch, float]]) -> list[tuple[int, str]]:
+        """``(rc, why)`` of each ``(batch, deadline)``: those already ended at once, the others
+        through the poller, which cancels a batch at its deadline (timeout code).  If the caller
+        is cancelled, the batches still running are cancelled and waited for before
+        ``CancelledError`` propagates: nothing touches their buffers afterwards."""
+        assert self._completions is not None
+        futures = [self._completions.outcome(batch, deadline) for batch, deadline in waits]
+        self._awaiting += 1
+        try:
+            return [await asyncio.shield(future) for future in futures]
+        except asyncio.CancelledError:
+            for (batch, _), future in zip(waits, futures, strict=True):
+                if not future.done():
+                    await _finish(asyncio.ensure_future(self.run_blocking(batch.cancel)))
+                    await _finish(future)
+            raise
+        finally:
+            self._awaiting -= 1
 
     async def settle(self, target: str, req: TransferRequest | SingleTransfer, session: Session, rc: int,
                      why: str) -> Session:
