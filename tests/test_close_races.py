@@ -1,5 +1,5 @@
 """close() while other threads are inside the engine: every racing call returns, with a failure,
-within the transfer timeout (it used to wait 120 s, or without bound), and the process survives.
+within the transfer timeout (never later, never without bound), and the process survives.
 Dropping the last reference to an engine shuts it down as close() does."""
 from __future__ import annotations
 

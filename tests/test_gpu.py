@@ -166,7 +166,7 @@ def test_same_host_gpu_copies_bypass_the_network(gpu_pair, request):
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("size", [4096, (1 << 20) + 7, 64 << 20])
 def test_prefill_on_one_gpu_decode_on_another(transport, size):
-    """GPU 0 -> GPU 1 of one host (issue 7): CUDA IPC with peer access, or staging over TCP."""
+    """GPU 0 -> GPU 1 of one host: CUDA IPC with peer access, or staging over TCP."""
     node = NodeProcess(regions=[4096])
     node.call("add_region", size=64 << 20, device=1)
     eng = TransferEngine(transfer_timeout=30.0, transport=transport)
@@ -281,10 +281,10 @@ def test_vmm_region_unregistered_and_registered_again_while_mapped():
 def test_region_leaving_the_table_under_running_copies_keeps_the_context_sane(vmm_chunk):
     """Same-host GPU copies keep running while the target unregisters their region and another
     thread keeps refreshing the peer's table: every copy stays on the same-host path through the
-    refreshes (before, a refresh briefly dropped the regions' slots and calls went over TCP:
-    this test failed on the served-bytes check), no mapping is unmapped under a copy, and GPU
-    transfers afterwards land exactly.  (On the H200 an unmapping under a copy showed no fault;
-    test_same_host's shared-buffer twin of this test is the one that caught it.)"""
+    refreshes (a refresh that dropped the regions' slots, even briefly, would send calls over TCP:
+    the served-bytes check sees that), no mapping is unmapped under a copy, and GPU transfers
+    afterwards land exactly.  (A GPU mapping unmapped under a copy need not fault;
+    test_same_host's shared-buffer twin of this test is the one that crashes then.)"""
     import threading
     import time
 

@@ -299,8 +299,8 @@ def test_a_forked_child_copies_in_parts_too(sh_node):
 
 def test_a_shared_mapping_is_never_unmapped_under_a_running_copy():
     """A peer's region leaves its table (and a refresh drops its mapping here) while same-host
-    copies into that mapping are running: the mapping goes only after the last copy (before,
-    this child died of SIGSEGV every time)."""
+    copies into that mapping are running: the mapping goes only after the last copy (a mapping
+    dropped under a running copy kills the child with SIGSEGV)."""
     child = os.path.join(os.path.dirname(__file__), "helpers", "same_host_unmap_child.py")
     done = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

@@ -165,7 +165,7 @@ int fmc_range_writable(uint64_t addr, uint64_t len)
 {
     FILE *f = fopen("/proc/self/maps", "re");
     if (!f)
-        return 1; /* cannot tell (no /proc): keep the old behaviour rather than refuse all writes */
+        return 1; /* cannot tell (no /proc): allow the writes rather than refuse them all */
     uint64_t want = addr, end = addr + len; /* caller checked that it does not wrap */
     char line[512];
     while (want < end && fgets(line, sizeof line, f)) {

@@ -13,7 +13,7 @@ Each baseline moves ``total`` bytes in ``block``-sized pieces through buffers of
   synchronous call can take, which is what GPU transfers are held against;
 - ``cuda d2d b2b``: the same copies back to back with one wait at the end (shown beside it: at
   one 64 MiB block per call even a bare C loop of copy-and-wait reaches only ~0.83 of it on an
-  H200, the launch and completion latency no longer hidden behind the next copy).
+  H200, the launch and completion latency not hidden behind the next copy).
 
 The ratios of measured rows against these limits are made by ``report``.
 """
