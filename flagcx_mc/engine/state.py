@@ -50,6 +50,7 @@ INLINE_COPY_BYTES = 256 << 10
 # a hand-off costs two thread wake-ups (~100 us on a loaded 2-core VM), more than a loopback
 # round trip even under load, so waiting is cheaper for the loop too.
 LONE_POLL_US = 150
+POLL_RETRY_S = 0.005
 
 
 class EngineState:
@@ -81,7 +82,7 @@ class EngineState:
         self._executor: ThreadPoolExecutor | None = None
         self._completions: Completions | None = None
         self._awaiting = 0  # transfers handed to the poller, not yet back
-        self._polls_end_calls = True  # the last small call polled for on the loop ended there
+        self._poll_again_at = 0.0  # perf_counter() from which calls poll on the loop again
         self._log_task: asyncio.Task | None = None
         self._publish_lock = asyncio.Lock()  # orders updates of our descriptor on a metadata server
 
@@ -290,11 +291,12 @@ class EngineState:
         # Polling serialises the coroutines' calls, which on a few cores still beats handing
         # them to the sender, receiver and poller threads (measured: 16 and 64 coroutines of
         # 4 KiB calls 1.3-1.8x faster).  Once a poll has run out while other calls are waiting
-        # (a slow peer, large calls), calls go to the threads until the loop's calls drain.
-        poll_us = LONE_POLL_US if self._polls_end_calls or self._awaiting == 0 else -1
+        # (a slow peer, large calls, a busy host), calls go to the threads until the loop's
+        # calls drain or POLL_RETRY_S has passed: a failed poll costs the loop LONE_POLL_US.
+        poll_us = (LONE_POLL_US if self._awaiting == 0 or started >= self._poll_again_at else -1)
         rc, why, batch = req.start(session, poll_us)
-        if poll_us > 0:
-            self._polls_end_calls = batch is None
+        if poll_us > 0 and batch is not None:
+            self._poll_again_at = started + POLL_RETRY_S
         if batch is None:
             return rc, why  # ended here: a success is counted by the core
         assert self._completions is not None
