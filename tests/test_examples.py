@@ -51,3 +51,10 @@ def test_metadata_server_command_serves_and_stops():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
         proc.stdout.close()
+
+
+def test_async_example_compares_with_the_sync_facade():
+    out = _run(sys.executable, str(ROOT / "examples" / "async_transfers.py"), "--blocks", "16", "--rounds", "1",
+               "--compare-sync")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("async / sync:") == 2 and "MISMATCH" not in out.stdout
