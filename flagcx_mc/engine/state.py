@@ -293,6 +293,10 @@ class EngineState:
         # 4 KiB calls 1.3-1.8x faster).  Once a poll has run out while other calls are waiting
         # (a slow peer, large calls, a busy host), calls go to the threads until the loop's
         # calls drain or POLL_RETRY_S has passed: a failed poll costs the loop LONE_POLL_US.
+        # (Starting every ready coroutine's call first and reading all their answers in one
+        # pass afterwards measured slower on 2 cores: one coroutine 0.55x the sync facade
+        # instead of 1.0x, and 16 no faster, the extra loop iterations costing more than the
+        # overlap saved.)
         poll_us = (LONE_POLL_US if self._awaiting == 0 or started >= self._poll_again_at else -1)
         rc, why, batch = req.start(session, poll_us)
         if poll_us > 0 and batch is not None:
