@@ -23,8 +23,8 @@ from .errors import InvalidArgumentError
 from .metadata.redis_store import redis_db_index
 from .metadata.store import StoreSettings
 
-__all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_length", "mooncake_transfer_timeout",
-           "prefault_mode", "rpc_port_range"]
+__all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_length",
+           "mooncake_transfer_timeout", "prefault_mode", "rpc_port_range"]
 
 log = logging.getLogger(__name__)
 

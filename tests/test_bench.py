@@ -375,7 +375,8 @@ def test_limits_are_a_module_of_their_own():
     """The production core carries no benchmark code; the limits module only the measurements."""
     assert not [name for name in dir(core_lib) if "baseline" in name]
     assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
-        "fmc_baseline_cuda_d2d", "fmc_baseline_cuda_host", "fmc_baseline_memcpy", "fmc_baseline_pvm", "fmc_baseline_tcp", "fmc_last_error"]
+        "fmc_baseline_cuda_d2d", "fmc_baseline_cuda_host", "fmc_baseline_memcpy", "fmc_baseline_pvm",
+        "fmc_baseline_tcp", "fmc_last_error"]
     with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
         bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text
 
@@ -519,7 +520,7 @@ def test_paged_plan_is_scattered_disjoint_and_the_same_in_both_processes():
         per_tensor = [sum(1 for o in side if o // tensor == t) for t in range(2 * layers)]
         assert per_tensor == [count // (2 * layers)] * (2 * layers)
     assert local != remote
-    adjacent = sum(1 for a, b in zip(local, local[1:]) if b == a + block)
+    adjacent = sum(1 for a, b in zip(local, local[1:], strict=False) if b == a + block)
     assert adjacent < count // 4  # scattered, not runs
     assert block_plan("contiguous", block, 4) == ([0, block, 2 * block, 3 * block],) * 2
     with pytest.raises(ValueError, match="multiple"):

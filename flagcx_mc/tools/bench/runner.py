@@ -413,7 +413,7 @@ def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs:
         if not parts:
             continue
         if all(p in limit_gbps for p in parts):  # the smallest of the parts, round by round
-            limit_gbps[name] = [min(vals) for vals in zip(*(limit_gbps[p] for p in parts))]
+            limit_gbps[name] = [min(vals) for vals in zip(*(limit_gbps[p] for p in parts), strict=True)]
         else:
             result["baselines_missing"][name] = "needs " + ", ".join(p for p in parts if p not in limit_gbps)
             del limit_gbps[name]
