@@ -79,7 +79,9 @@ typedef struct {
     int spin_us;         /* poll up to this long before sleeping, after small transfers (0..10000) */
     int copy_threads;    /* threads that copy one large same-host call (0: online cores; at most 4) */
     int zerocopy;        /* vmsplice + splice for large write payloads and read answers */
+    int gpu_copy;        /* FMC_GPU_COPY_*: how scattered GPU blocks are staged for TCP */
 } fmc_options;
+enum { FMC_GPU_COPY_AUTO = 0, FMC_GPU_COPY_KERNEL = 1, FMC_GPU_COPY_BATCH = 2, FMC_GPU_COPY_SINGLE = 3 };
 void fmc_options_default(fmc_options *opts);
 int fmc_engine_create(const char *bind_host, int port_min, int port_max, const fmc_options *opts,
                       fmc_engine **out);

@@ -141,6 +141,9 @@ class CoreEngine:
         opts.spin_us = int(config.spin_us)
         opts.copy_threads = int(config.copy_threads)
         opts.zerocopy = int(bool(config.zerocopy))
+        from .config import GPU_COPY_MODES
+
+        opts.gpu_copy = GPU_COPY_MODES.index(config.gpu_copy)
         out = ffi.new("fmc_engine **")
         rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, opts, out)
         _raise_for(rc, f"cannot start the data listener on {bind_host}")

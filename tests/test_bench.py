@@ -132,7 +132,7 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     for x in data["latency"]:
         assert x["verified"] and x["n"] == 1000 and 0 < x["p50_us"] <= x["p99_us"]
     # One line per target, each PASS, MISS or N/A; N/A exactly where its transport did not run.
-    assert len(data["targets"]) == 17
+    assert len(data["targets"]) == len(json.loads(PROJECT_TARGETS.read_text())["targets"])
     for t in data["targets"]:
         assert t["status"] in ("PASS", "MISS", "N/A")
         assert f"{t['status']:<4} {t['name']}" in proc.stdout
@@ -142,6 +142,9 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
         assert statuses["one 4 KiB sync write: p50 <= 0.7x Mooncake"] != "N/A"
     if "gpu" not in ran:
         assert statuses["GPU -> GPU on one host >= 90% of a device-to-device copy"] == "N/A"
+    for t in data["targets"]:
+        if t["metric"].split(":")[1].startswith(("gpu-tcp", "gpu-host-tcp")) and "gpu-tcp" not in ran:
+            assert t["status"] == "N/A", t
     assert all(t["status"] == "N/A" for t in data["targets"] if t["metric"].startswith("calls_ratio:"))  # --async
     assert ("plot written to" in proc.stdout) or ("PNG skipped: matplotlib is not installed" in proc.stdout)
 
@@ -356,6 +359,8 @@ def test_cuda_baseline_is_absent_or_works():
     else:
         assert bl.cuda_d2d_gbps(1 << 20, 8 * MiB, 64 * MiB) > 0
         assert bl.measure("cuda d2d b2b", 1 << 20, 8 * MiB, 64 * MiB) > 0
+        assert bl.measure("cuda d2h", 1 << 20, 8 * MiB, 64 * MiB) > 0
+        assert bl.measure("cuda h2d", 1 << 20, 8 * MiB, 64 * MiB) > 0
         buf = DeviceBuffer(1 << 20)
         try:
             digest = buf.fill_random(0, 1 << 20)
@@ -370,7 +375,8 @@ def test_limits_are_a_module_of_their_own():
     """The production core carries no benchmark code; the limits module only the measurements."""
     assert not [name for name in dir(core_lib) if "baseline" in name]
     assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
-        "fmc_baseline_cuda_d2d", "fmc_baseline_memcpy", "fmc_baseline_pvm", "fmc_baseline_tcp", "fmc_last_error"]
+        "fmc_baseline_cuda_d2d", "fmc_baseline_cuda_host", "fmc_baseline_memcpy", "fmc_baseline_pvm",
+        "fmc_baseline_tcp", "fmc_last_error"]
     with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
         bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text
 
@@ -462,7 +468,9 @@ def test_targets_files_may_be_toml(tmp_path):
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
     kinds = [t.metric.split(":")[0] for t in loaded.targets]
-    assert kinds.count("calls_ratio") == 10 and len(kinds) == 17 and loaded.note_steal_from == 0.05
+    assert kinds.count("calls_ratio") == 10 and len(kinds) == 21 and loaded.note_steal_from == 0.05
+    gpu_tcp = [t for t in loaded.targets if t.metric.endswith(":gpu tcp limit")]
+    assert len(gpu_tcp) == 4 and all(t.threshold == 0.8 and t.better == "higher" for t in gpu_tcp)
 
 
 def test_calls_ratio_targets_judge_single_transfers_of_the_async_bench(tmp_path):
@@ -494,3 +502,42 @@ def test_calls_ratio_targets_judge_single_transfers_of_the_async_bench(tmp_path)
         path.write_text(json.dumps([{"name": "x", "metric": "calls_ratio:tcp:async_1", "threshold": 1,
                                      "better": "higher"}]))
         tg.load_targets(str(path), ("tcp",))
+
+
+def test_paged_plan_is_scattered_disjoint_and_the_same_in_both_processes():
+    """The paged layout: K and V tensors per layer, the same share of blocks from each, random
+    distinct ids on each side (not the identity), every block inside its tensor."""
+    from flagcx_mc.tools.bench.layouts import block_plan, cache_bytes
+
+    block, count, layers = 16 << 10, 1024, 32
+    local, remote = block_plan("paged", block, count, layers, seed=7)
+    assert (local, remote) == block_plan("paged", block, count, layers, seed=7)  # what the other process derives
+    assert len(local) == len(remote) == count
+    cache = cache_bytes("paged", block, count, layers)
+    tensor = cache // (2 * layers)
+    for side in (local, remote):
+        assert len(set(side)) == count and all(o % block == 0 and 0 <= o <= cache - block for o in side)
+        per_tensor = [sum(1 for o in side if o // tensor == t) for t in range(2 * layers)]
+        assert per_tensor == [count // (2 * layers)] * (2 * layers)
+    assert local != remote
+    adjacent = sum(1 for a, b in zip(local, local[1:], strict=False) if b == a + block)
+    assert adjacent < count // 4  # scattered, not runs
+    assert block_plan("contiguous", block, 4) == ([0, block, 2 * block, 3 * block],) * 2
+    with pytest.raises(ValueError, match="multiple"):
+        block_plan("paged", block, 100, layers)
+
+
+def test_gpu_tcp_limit_is_the_smallest_leg(monkeypatch):
+    """gpu tcp limit is derived per trial round as the smallest of the raw socket and the two
+    pinned copies, and a row is held against it."""
+    from flagcx_mc.tools.bench import runner
+
+    speeds = {"raw socket": [30.0, 20.0], "cuda d2h": [50.0, 55.0], "cuda h2d": [25.0, 60.0]}
+    calls = {name: iter(v) for name, v in speeds.items()}
+    monkeypatch.setattr(bl, "measure", lambda name, *a, **k: next(calls[name]))
+    opts = runner.BenchOptions(trials=2, repeat=1)
+    result: dict = {"baselines_missing": {}}
+    attempt = runner._trial_rounds("write", 4096, 4, [], {}, ["raw socket", "cuda d2h", "cuda h2d",
+                                                               "gpu tcp limit"], opts, result, None)
+    assert attempt.limit_gbps["gpu tcp limit"] == [25.0, 20.0]
+    assert bl.derived_from("gpu tcp limit") == ("raw socket", "cuda d2h", "cuda h2d")

@@ -445,6 +445,8 @@ static struct {
     cu_stream_fn stream_destroy, stream_sync;
     cu_copy_async_fn copy_async;
     cu_peer_async_fn peer_async;
+    int (*host_alloc)(void **, size_t, unsigned int); /* optional: the pinned copies' limit */
+    int (*free_host)(void *);
 } cu = {.once = PTHREAD_ONCE_INIT};
 
 static void cu_load(void)
@@ -468,6 +470,8 @@ static void cu_load(void)
     cu.stream_sync = (cu_stream_fn)dlsym(h, "cuStreamSynchronize");
     cu.copy_async = (cu_copy_async_fn)dlsym(h, "cuMemcpyAsync");
     cu.peer_async = (cu_peer_async_fn)dlsym(h, "cuMemcpyPeerAsync");
+    *(void **)&cu.host_alloc = dlsym(h, "cuMemHostAlloc");
+    *(void **)&cu.free_host = dlsym(h, "cuMemFreeHost");
     if (!init || !cu.count || !cu.device_get || !cu.retain || !cu.set_current || !cu.sync || !cu.alloc ||
         !cu.free || !cu.peer || !cu.memset || !cu.stream_create || !cu.stream_destroy ||
         !cu.stream_sync || !cu.copy_async || !cu.peer_async || init(0) != 0)
@@ -551,6 +555,57 @@ int fmc_baseline_cuda_d2d(int src_device, int dst_device, uint64_t block, uint64
     cu.free(dst);
     if (failed) {
         fmc_set_error("CUDA device-to-device copy failed");
+        return FMC_ERR_MEMORY;
+    }
+    return set_gbps(moved, t1 - t0, gbps_out);
+}
+
+/* Copies between pinned host memory and `device`, one copy of the whole span per batch, waited
+ * for before the next: the PCIe link's rate for a synchronous call of that size, which every
+ * byte of GPU memory moved over TCP crosses once (to_device: host to device, else device to
+ * host).  `block` only checks the shape: the link's limit does not depend on how the span is cut. */
+int fmc_baseline_cuda_host(int device, int to_device, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+{
+    int rc = check_shape(block, span, total, gbps_out);
+    if (rc < 0)
+        return rc;
+    if ((rc = cu_use(device, NULL)) < 0)
+        return rc;
+    if (!cu.host_alloc || !cu.free_host) {
+        fmc_set_error("the CUDA driver has no cuMemHostAlloc");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    uint64_t len = span / block * block, dev = 0;
+    void *host = NULL, *stream = NULL;
+    if (cu.alloc(&dev, len) != 0 || cu.host_alloc(&host, len, 0x01 /* PORTABLE */) != 0 ||
+        cu.stream_create(&stream, 1 /* CU_STREAM_NON_BLOCKING */) != 0) {
+        if (host)
+            cu.free_host(host);
+        if (dev)
+            cu.free(dev);
+        fmc_set_error("cannot allocate %llu bytes of device and pinned host memory and a stream on device %d",
+                      (unsigned long long)len, device);
+        return FMC_ERR_MEMORY;
+    }
+    memset(host, 0x5a, len);
+    cu.memset(dev, 0x5a, len);
+    cu.sync();
+    uint64_t moved = 0;
+    int failed = 0;
+    double t0 = now_s();
+    while (moved < total && !failed) {
+        uint64_t n = total - moved < len ? total - moved : len;
+        uint64_t h = (uint64_t)(uintptr_t)host;
+        failed = cu.copy_async(to_device ? dev : h, to_device ? h : dev, n, stream) != 0;
+        failed |= cu.stream_sync(stream) != 0;
+        moved += n;
+    }
+    double t1 = now_s();
+    cu.stream_destroy(stream);
+    cu.free_host(host);
+    cu.free(dev);
+    if (failed) {
+        fmc_set_error("CUDA copy between pinned host memory and the device failed");
         return FMC_ERR_MEMORY;
     }
     return set_gbps(moved, t1 - t0, gbps_out);

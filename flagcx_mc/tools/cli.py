@@ -39,6 +39,9 @@ def _add_bench_parser(sub) -> None:
                        help="block sizes, e.g. 4k,64k,1m,64m (default 4 KiB to 64 MiB, x4 steps)")
     bench.add_argument("--batch", type=_csv(int), metavar="COUNTS",
                        help="blocks per batch, e.g. 1,32,1024 (capped at 64 MiB per batch)")
+    bench.add_argument("--paged-blocks", type=_csv(parse_size), metavar="SIZES",
+                       help="block sizes of the paged-KV transports (default 16k,32k,64k; 1024 blocks a call "
+                            "from 32 layers' K and V tensors at random block ids)")
     bench.add_argument("--streams", type=int,
                        help="data streams per peer, the raw socket baseline's too (default: the engine's, "
                             "half the CPUs from 4 to 8)")
@@ -86,7 +89,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
-             "steal_retries": args.steal_retries}
+             "steal_retries": args.steal_retries, "paged_blocks": args.paged_blocks}
     overrides = {k: v for k, v in given.items() if v is not None}
     bad_ops = set(args.ops) - {"write", "read"}
     if bad_ops or not args.ops:

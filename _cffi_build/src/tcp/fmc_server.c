@@ -497,6 +497,56 @@ static void queue_vector_answer(fmc_conn_state *cs, uint64_t id, int n, int fail
     }
 }
 
+/* Copies between the staging buffer and a vector's GPU entries (reg[i] a GPU region), grouped
+ * by device: to the GPU (`to_gpu`, from stage[i]) or from it (into stage[i]), as one gather per
+ * device, then waited for (this thread's copies only). */
+static int stage_copy(fmc_conn_state *cs, fmc_region **reg, const uint64_t *addr, const uint64_t *len,
+                      void *const *stage, int n, int to_gpu)
+{
+    uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX];
+    size_t sz[FMC_VEC_MAX];
+    int mode = cs->stage.pinned ? cs->e->opts.gpu_copy : FMC_GPU_COPY_BATCH;
+    int rc = FMC_OK;
+    uint64_t devices = 0;
+    for (int i = 0, m = 0, dev = -1; i <= n; i++) {
+        int d = i < n ? (reg[i] ? reg[i]->cuda_dev : -1) : -2;
+        if (i < n && d < 0)
+            continue;
+        if (m > 0 && d != dev) {
+            if (fmc_cuda_gather_async(dst, src, sz, m, dev, mode) != FMC_OK)
+                rc = FMC_ERR_DEVICE_NOT_FOUND;
+            m = 0;
+        }
+        if (i == n)
+            break;
+        dev = d;
+        devices |= 1ull << (d & 63);
+        uint64_t staged = (uint64_t)(uintptr_t)stage[i];
+        dst[m] = to_gpu ? addr[i] : staged;
+        src[m] = to_gpu ? staged : addr[i];
+        sz[m++] = (size_t)len[i];
+    }
+    for (int d = 0; d < 64; d++)
+        if (((devices >> d) & 1) && fmc_cuda_wait(d) != FMC_OK)
+            rc = FMC_ERR_DEVICE_NOT_FOUND;
+    return rc;
+}
+
+static int scatter_to_gpu(fmc_conn_state *cs, fmc_region **reg, const uint64_t *addr, const uint64_t *len,
+                          const struct iovec *iov, int n)
+{
+    void *stage[FMC_VEC_MAX];
+    for (int i = 0; i < n; i++)
+        stage[i] = iov[i].iov_base;
+    return stage_copy(cs, reg, addr, len, stage, n, 1);
+}
+
+static int gather_from_gpu(fmc_conn_state *cs, fmc_region **reg, const uint64_t *addr, const uint64_t *len,
+                           void *const *src, int n)
+{
+    return stage_copy(cs, reg, addr, len, src, n, 0);
+}
+
 /* A vector request (fmc_wire.h): every entry is checked and pinned like a single request, then
  * a write's payloads are received with one scatter read straight into place and a read's are
  * sent with the answer's gather.  GPU entries go one by one through the staging buffer.
@@ -562,23 +612,30 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
         if (rc == 0 && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
             rc = -1;
         uint8_t refused[FMC_VEC_MAX] = {0}; /* destinations the kernel refused to write */
-        if (rc == 0 && gpu_bytes == 0) {
-            for (int i = 0; i < n; i++)
-                iov[i] = (struct iovec){.iov_base = reg[i] ? (void *)(uintptr_t)addr[i] : cs->sink,
-                                        .iov_len = (size_t)len[i]};
-            rc = fmc_reader_read_regions(&cs->rd, iov, n, refused);
+        /* GPU destinations' payloads land side by side in the staging buffer, everything else
+         * in place, all by one scatter read; then one gather copy puts the staged ones in place
+         * and is waited for (this thread's copies only) before the answer is queued. */
+        if (rc == 0 && gpu_bytes && fmc_staging_reserve(&cs->stage, (size_t)gpu_bytes, gpu_dev) != 0)
+            rc = -1;
+        uint64_t off = 0;
+        for (int i = 0; rc == 0 && i < n; i++) {
+            void *at = reg[i] ? (void *)(uintptr_t)addr[i] : cs->sink;
+            if (reg[i] && reg[i]->cuda_dev >= 0) {
+                at = cs->stage.buf + off;
+                off += len[i];
+            }
+            iov[i] = (struct iovec){.iov_base = at, .iov_len = (size_t)len[i]};
         }
-        for (int i = 0; rc == 0 && gpu_bytes && i < n; i++) {
-            if (!reg[i]) {
-                rc = fmc_reader_read_into(&cs->rd, cs->sink, (size_t)len[i]);
-            } else if (reg[i]->cuda_dev < 0) {
-                rc = fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)addr[i], (size_t)len[i]);
-                refused[i] = rc == FMC_READ_REFUSED;
-                rc = rc < 0 ? -1 : 0;
-            } else if (fmc_staging_reserve(&cs->stage, (size_t)len[i], reg[i]->cuda_dev) != 0 ||
-                     fmc_reader_read_into(&cs->rd, cs->stage.buf, (size_t)len[i]) < 0 ||
-                     fmc_cuda_copy(addr[i], (uint64_t)(uintptr_t)cs->stage.buf, (size_t)len[i], reg[i]->cuda_dev) != FMC_OK)
-                rc = -1;
+        if (rc == 0)
+            rc = fmc_reader_read_regions(&cs->rd, iov, n, refused);
+        if (rc == 0 && gpu_bytes && scatter_to_gpu(cs, reg, addr, len, iov, n) != FMC_OK) {
+            for (int i = 0; i < n; i++) {
+                if (reg[i] && reg[i]->cuda_dev >= 0) {
+                    cs->vec_status[i] = FMC_ERR_DEVICE_NOT_FOUND;
+                    ok_bytes -= len[i];
+                    failed = 1;
+                }
+            }
         }
         for (int i = 0; i < n; i++)
             if (reg[i])
@@ -607,11 +664,16 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
             if (!reg[i] || reg[i]->cuda_dev < 0)
                 continue;
             src[i] = rc == 0 ? cs->stage.buf + off : NULL;
-            if (rc == 0 && fmc_cuda_copy((uint64_t)(uintptr_t)src[i], addr[i], (size_t)len[i], reg[i]->cuda_dev) != FMC_OK)
-                rc = -1;
             off += len[i];
-            unpin(cs, reg[i]);
-            reg[i] = NULL; /* staged: needs no pin any more */
+        }
+        /* One gather of every GPU source into the staging buffer, waited for before the pins go. */
+        if (rc == 0 && gpu_bytes && gather_from_gpu(cs, reg, addr, len, src, n) != FMC_OK)
+            rc = -1;
+        for (int i = 0; gpu_bytes && i < n; i++) {
+            if (reg[i] && reg[i]->cuda_dev >= 0) {
+                unpin(cs, reg[i]);
+                reg[i] = NULL; /* staged: needs no pin any more */
+            }
         }
         if (rc < 0) {
             for (int i = 0; i < n; i++)

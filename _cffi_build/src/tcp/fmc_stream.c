@@ -154,12 +154,12 @@ static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
     return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
 }
 
-/* Small slices of one batch travel as vectors when the target takes them: writes from host or
- * GPU memory (GPU sources are staged like any other, stage_gpu_sources), reads into host memory
- * only (a vector's payloads are scattered by one recvmsg, which cannot write GPU memory). */
+/* Small slices of one batch travel as vectors when the target takes them, from and into host or
+ * GPU memory: GPU sources are gathered into staging (stage_gpu_sources), a read's GPU
+ * destinations received side by side into staging and scattered by one copy (receive_vector). */
 static int vectorizable(const fmc_peer *p, const fmc_slice *s)
 {
-    return p->vectors && s->len <= FMC_VEC_ENTRY_MAX && (s->local_dev < 0 || s->batch->opcode == FMC_OP_WRITE);
+    return p->vectors && s->len <= FMC_VEC_ENTRY_MAX;
 }
 
 /* How many slices from s on can form one vector, within this round's limits. */
@@ -203,8 +203,12 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
         return 0;
     if (fmc_staging_reserve(&st->send_stage, need, first_dev) != 0)
         return -1;
-    /* Queue every copy of the round (runs of one device as one batch, contiguous sources merged
-     * into one copy, since the staging side is contiguous), then wait once per device used. */
+    /* Queue every copy of the round (runs of one device as one gather: the copy kernel or the
+     * driver's batch, contiguous sources merged into one copy, since the staging side is
+     * contiguous), then wait once per device used: for this thread's copies only. */
+    int mode = st->peer->engine->opts.gpu_copy;
+    if (!st->send_stage.pinned)
+        mode = FMC_GPU_COPY_BATCH; /* the kernel reaches pinned host memory only */
     size_t off = 0;
     int rc = 0, n = 0, run_dev = -1;
     uint64_t devices = 0; /* bit per GPU ordinal < 64 that got copies */
@@ -214,7 +218,7 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
             continue; /* a header or a vector table */
         if (s->local_dev >= 0) {
             if (n > 0 && s->local_dev != run_dev) {
-                rc |= fmc_cuda_copy_many_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev);
+                rc |= fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev, mode);
                 n = 0;
             }
             run_dev = s->local_dev;
@@ -229,7 +233,7 @@ static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
         i++;
     }
     if (n > 0)
-        rc |= fmc_cuda_copy_many_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev);
+        rc |= fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev, mode);
     for (int d = 0; d < 64; d++)
         if ((devices >> d) & 1)
             rc |= fmc_cuda_wait(d);
@@ -546,6 +550,38 @@ static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_lan
     return 1; /* lands later: land_pending finishes it */
 }
 
+/* Copy the staged payloads of a vector's GPU destinations into place, grouped by device, and
+ * wait for those copies (this thread's own) before the slices may finish. */
+static int scatter_staged(fmc_stream *st, fmc_slice **into, const struct iovec *iov, int n)
+{
+    uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX];
+    size_t len[FMC_VEC_MAX];
+    int mode = st->recv_stage.pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
+    int rc = FMC_OK;
+    uint64_t devices = 0;
+    for (int i = 0, m = 0, dev = -1; i <= n; i++) {
+        int d = i < n ? into[i]->local_dev : -2;
+        if (i < n && d < 0)
+            continue;
+        if (m > 0 && d != dev) {
+            if (fmc_cuda_gather_async(dst, src, len, m, dev, mode) != FMC_OK)
+                rc = FMC_ERR_DEVICE_NOT_FOUND;
+            m = 0;
+        }
+        if (i == n)
+            break;
+        dev = d;
+        devices |= 1ull << (d & 63);
+        dst[m] = into[i]->local;
+        src[m] = (uint64_t)(uintptr_t)iov[i].iov_base;
+        len[m++] = (size_t)into[i]->len;
+    }
+    for (int d = 0; d < 64; d++)
+        if (((devices >> d) & 1) && fmc_cuda_wait(d) != FMC_OK)
+            rc = FMC_ERR_DEVICE_NOT_FOUND;
+    return rc;
+}
+
 /* The rest of a vector's answer `a` for the k slices on st->receiving (see fmc_wire.h): entry
  * statuses when it failed, then a read's payloads, scattered straight into place.  Sets each
  * slice's answer_status; -1 if the answer does not fit the request. */
@@ -560,7 +596,8 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
     }
     struct iovec iov[FMC_VEC_MAX];
     fmc_slice *into[FMC_VEC_MAX];
-    int n = 0, j = 0;
+    int n = 0, j = 0, gpu_dev = -1;
+    uint64_t gpu_bytes = 0;
     for (fmc_slice *x = st->receiving.head; x; x = x->next, j++) {
         int32_t status = a->status == FMC_OK ? FMC_OK : (int32_t)fmc_get32(rd->buf + rd->start + 4 * (size_t)j);
         x->answer_status = remote_status(status);
@@ -568,18 +605,38 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
             into[n] = x;
             iov[n++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = (size_t)x->len};
             expect += x->len;
+            if (x->local_dev >= 0) {
+                gpu_bytes += x->len;
+                gpu_dev = gpu_dev < 0 ? x->local_dev : gpu_dev;
+            }
         }
     }
     if (a->status != FMC_OK)
         rd->start += (size_t)k * 4;
     if (a->len != expect)
         return -1;
+    /* GPU destinations: their payloads land side by side in the staging buffer, then one
+     * scatter (the copy kernel, or the driver's batch) puts them in place. */
+    if (gpu_bytes && fmc_staging_reserve(&st->recv_stage, (size_t)gpu_bytes, gpu_dev) != 0)
+        return -1;
+    uint64_t off = 0;
+    for (int i = 0; gpu_bytes && i < n; i++) {
+        if (into[i]->local_dev < 0)
+            continue;
+        iov[i].iov_base = st->recv_stage.buf + off;
+        off += into[i]->len;
+    }
     uint8_t refused[FMC_VEC_MAX];
     if (n && fmc_reader_read_regions(rd, iov, n, refused) < 0)
         return -1;
     for (int i = 0; i < n; i++)
         if (refused[i])
             local_refused(st, into[i]);
+    if (gpu_bytes && scatter_staged(st, into, iov, n) != FMC_OK) {
+        for (int i = 0; i < n; i++)
+            if (into[i]->local_dev >= 0)
+                into[i]->answer_status = FMC_ERR_DEVICE_NOT_FOUND;
+    }
     return 0;
 }
 

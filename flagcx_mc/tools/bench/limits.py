@@ -13,7 +13,12 @@ Each baseline moves ``total`` bytes in ``block``-sized pieces through buffers of
   synchronous call can take, which is what GPU transfers are held against;
 - ``cuda d2d b2b``: the same copies back to back with one wait at the end (shown beside it: at
   one 64 MiB block per call even a bare C loop of copy-and-wait reaches only ~0.83 of it on an
-  H200, the launch and completion latency not hidden behind the next copy).
+  H200, the launch and completion latency not hidden behind the next copy);
+- ``cuda d2h``, ``cuda h2d``: one copy of the whole span between the GPU and pinned host memory
+  per batch, waited for: the PCIe link's rate, which every GPU byte moved over TCP crosses;
+- ``gpu tcp limit``: not measured but derived, the smallest of ``raw socket`` (host memory over
+  the same streams, same shape), ``cuda d2h`` and ``cuda h2d`` measured beside it: GPU memory
+  over TCP can go no faster than the slowest leg it crosses.
 
 The ratios of measured rows against these limits are made by ``report``.
 """
@@ -28,6 +33,8 @@ __all__ = [
     "BaselineUnavailable",
     "also_against",
     "cuda_d2d_gbps",
+    "cuda_host_gbps",
+    "derived_from",
     "measure",
     "memcpy_gbps",
     "pvm_gbps",
@@ -35,7 +42,11 @@ __all__ = [
 ]
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
-BASELINES = ("mooncake", "raw socket", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b")
+BASELINES = ("mooncake", "raw socket", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h", "cuda h2d",
+             "gpu tcp limit")
+
+# Baselines computed from others measured in the same rounds: the smallest of them.
+_DERIVED = {"gpu tcp limit": ("raw socket", "cuda d2h", "cuda h2d")}
 
 
 class BaselineUnavailable(RuntimeError):
@@ -82,6 +93,18 @@ def cuda_d2d_gbps(block: int, span: int, total: int, src_device: int = 0, dst_de
     return _out(rc, gbps, "CUDA device-to-device baseline")
 
 
+def cuda_host_gbps(block: int, span: int, total: int, to_device: bool, device: int = 0) -> float:
+    """Pinned host memory to the device (``to_device``) or back, one copy per ``span``."""
+    gbps = ffi.new("double *")
+    rc = lib.fmc_baseline_cuda_host(device, int(to_device), block, span, total, gbps)
+    return _out(rc, gbps, "CUDA pinned copy baseline")
+
+
+def derived_from(name: str) -> tuple[str, ...]:
+    """The baselines ``name`` is the smallest of, or () for one that is measured itself."""
+    return _DERIVED.get(name, ())
+
+
 def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda_devices: tuple[int, int] = (0, 0)
             ) -> float:
     """Measure the baseline called ``name`` (one of ``BASELINES`` except ``mooncake``).
@@ -99,11 +122,14 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
         return cuda_d2d_gbps(block, span, total, *cuda_devices)
     if name == "cuda d2d b2b":
         return cuda_d2d_gbps(block, span, total, *cuda_devices, wait_each_batch=False)
+    if name in ("cuda d2h", "cuda h2d"):
+        return cuda_host_gbps(block, span, total, to_device=name == "cuda h2d", device=cuda_devices[0])
     raise ValueError(f"no C baseline called {name!r}")
 
 
 # Limits measured and shown beside a transport's own.
-_ALSO_AGAINST = {"raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",)}
+_ALSO_AGAINST = {"raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",),
+                 "gpu tcp limit": ("raw socket", "cuda d2h", "cuda h2d")}
 
 
 def also_against(limit: str) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ from ..._process import EngineProcessError
 from ..._units import fmt_size
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from . import limits as bl
+from .layouts import cache_bytes
 from .report import add_ratios, draw_png, print_report, verdict, write_json
 from .targets import TargetSet, evaluate_targets
 from .worker import WorkerProcess
@@ -45,6 +46,8 @@ DEFAULT_BLOCKS = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 *
 DEFAULT_BATCHES = [1, 32, 1024]
 QUICK_BLOCKS = [4 * KiB, 64 * KiB, 1 * MiB]
 QUICK_BATCHES = [64]
+PAGED_BLOCKS = [16 * KiB, 32 * KiB, 64 * KiB]
+PAGED_COUNT = 1024   # blocks per call in the paged layout: 16 from each of 32 layers' K and V
 MAX_BATCH_BYTES = 64 * MiB   # a batch is capped to this many bytes (64 MiB x 1, 1 MiB x 64, ...)
 SCHEMA = "flagcx_mc.bench/1"
 
@@ -61,6 +64,9 @@ class Transport:
     selector: str        # value of TRANSPORT_SETTING; "" for Mooncake
     limit: str           # the physical limit it is held against (limits.BASELINES)
     summary: str
+    layout: str = "contiguous"   # layouts.LAYOUTS: where a batch's blocks sit on each side
+    callers: int = 1             # initiator threads calling at once, each with its share of the blocks
+    target_memory: str = ""      # the target's memory when it differs from the initiator's
 
 
 TRANSPORTS: tuple[Transport, ...] = (
@@ -68,6 +74,14 @@ TRANSPORTS: tuple[Transport, ...] = (
     Transport("same-host", "flagcx_mc", "host", "same-host", "raw pvm", "same host, any registered memory"),
     Transport("same-host-shm", "flagcx_mc", "managed", "same-host", "memcpy", "same host, shared buffers"),
     Transport("gpu", "flagcx_mc", "cuda", "same-host", "cuda d2d", "GPU to GPU on one host"),
+    Transport("gpu-tcp", "flagcx_mc", "cuda", "tcp", "gpu tcp limit", "GPU to GPU over native TCP"),
+    Transport("gpu-tcp-paged", "flagcx_mc", "cuda", "tcp", "gpu tcp limit",
+              "GPU to GPU over native TCP, paged KV cache (random block ids, K and V per layer)", layout="paged"),
+    Transport("gpu-tcp-paged-10", "flagcx_mc", "cuda", "tcp", "gpu tcp limit",
+              "the same from 10 calling threads at once", layout="paged", callers=10),
+    Transport("gpu-host-tcp-paged", "flagcx_mc", "cuda", "tcp", "gpu tcp limit",
+              "GPU to host memory (write) and host to GPU (read) over native TCP, paged KV cache",
+              layout="paged", target_memory="host"),
     Transport("mooncake-tcp", "mooncake", "host", "", "raw socket", "Mooncake TCP transport (PyPI wheel)"),
 )
 
@@ -76,6 +90,8 @@ TRANSPORTS: tuple[Transport, ...] = (
 class BenchOptions:
     blocks: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BLOCKS))
     batches: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_BATCHES))
+    paged_blocks: list[int] = dataclasses.field(default_factory=lambda: list(PAGED_BLOCKS))
+    paged_count: int = PAGED_COUNT
     ops: list[str] = dataclasses.field(default_factory=lambda: ["write", "read"])
     transports: list[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS])
     streams: int = dataclasses.field(default_factory=lambda: EngineConfig.from_env().streams_per_peer)
@@ -106,6 +122,13 @@ def shapes_of(opts: BenchOptions) -> list[tuple[int, int]]:
     """(block, count) pairs of the sweep: every block with every batch size, capped at MAX_BATCH_BYTES."""
     shapes = {(b, min(n, max(1, MAX_BATCH_BYTES // b))) for b in opts.blocks for n in opts.batches}
     return sorted(shapes)
+
+
+def shapes_for(t: Transport, opts: BenchOptions) -> list[tuple[int, int]]:
+    """The shapes a transport runs: the sweep's, or the paged ones (``paged_blocks`` x ``paged_count``)."""
+    if t.layout == "paged":
+        return sorted({(b, opts.paged_count) for b in opts.paged_blocks})
+    return shapes_of(opts)
 
 
 def reps_of(opts: BenchOptions, span: int) -> int:
@@ -187,12 +210,14 @@ def _stderr_to(log: IO[str] | None):
         os.close(saved)
 
 
-def _start(t: Transport, opts: BenchOptions, size: int, log: IO[str] | None):
-    """Target and initiator processes of one transport."""
+def _start(t: Transport, opts: BenchOptions, log: IO[str] | None):
+    """Target and initiator processes of one transport, each with one region for its largest shape."""
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
     config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
+    size = max(cache_bytes(t.layout, b, n) for b, n in shapes_for(t, opts))
     with _stderr_to(log):
-        target = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env)
+        target = WorkerProcess(engine=t.engine, size=size, memory=t.target_memory or t.memory, config=config,
+                               env=env)
         try:
             initiator = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env)
         except BaseException:
@@ -201,24 +226,31 @@ def _start(t: Transport, opts: BenchOptions, size: int, log: IO[str] | None):
     return target, initiator
 
 
-def _prepare_row(op: str, span: int, target, initiator) -> str:
-    """Random source, zeroed destination; returns the source's digest."""
-    if op == "write":
-        expect = initiator.call("fill", offset=0, length=span)["digest"]
-        target.call("set", region=0, byte=0, offset=0, length=span)
-    else:
-        expect = target.call("fill", region=0, offset=0, length=span)["digest"]
-        initiator.call("set", byte=0, offset=0, length=span)
-    return expect
+def _prepare_row(t: Transport, op: str, block: int, count: int, target, initiator) -> str:
+    """Random source, zeroed destination; returns the digest the destination must show (``_landed``)."""
+    span = cache_bytes(t.layout, block, count)
+    source, dest = (initiator, target) if op == "write" else (target, initiator)
+    source.call("fill", region=0, offset=0, length=span)
+    dest.call("set", region=0, byte=0, offset=0, length=span)
+    return _landed(t, block, count, source, "local" if source is initiator else "remote")
 
 
-def _run_trial(op: str, block: int, count: int, reps: int, target, initiator) -> dict:
+def _landed(t: Transport, block: int, count: int, holder, side: str) -> str:
+    """Digest of the batch's blocks on one side (``side``: the initiator's "local" or the
+    target's "remote" offsets), in the plan's order."""
+    if t.layout == "contiguous":
+        return holder.call("digest", region=0, offset=0, length=block * count)["digest"]
+    return holder.call("digest_blocks", side=side, layout=t.layout, block=block, count=count)["digest"]
+
+
+def _run_trial(t: Transport, op: str, block: int, count: int, reps: int, target, initiator) -> dict:
     """One untimed batch, then one timed loop of ``reps`` batches: ``{"rc", "trials": [one],
     "where"?}`` from the worker.  The untimed batch gets the engine's threads, sockets and GPU
     context going again after the other engines' and the limits' turns."""
     timeout = 60.0 + block * count * (reps + 1) / 20e6  # 20 MB/s would be far below any engine
+    extra = {} if t.layout == "contiguous" and t.callers == 1 else {"layout": t.layout, "callers": t.callers}
     return initiator.call("run", timeout=timeout, op=op, target=target.session, remote=target.addr(0),
-                          block=block, count=count, reps=reps, trials=1, warmup=1)
+                          block=block, count=count, reps=reps, trials=1, warmup=1, **extra)
 
 
 def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs: list[dict], target,
@@ -226,7 +258,7 @@ def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs
     """Checksum the destination after the trials; the row reports the fastest trial."""
     span = block * count
     holder = target if op == "write" else initiator
-    got = holder.call("digest", region=0, offset=0, length=span)["digest"]
+    got = _landed(t, block, count, holder, "remote" if holder is target else "local")
     trials = [x for r in runs for x in r["trials"]]
     failed = next((r for r in runs if r["rc"] != 0), None)
     error = None
@@ -242,6 +274,7 @@ def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs
     moved = span * best["reps"]
     return {
         "transport": t.name, "engine": t.engine, "memory": t.memory, "op": op, "block": block, "count": count,
+        "layout": t.layout, "callers": t.callers, "target_memory": t.target_memory or t.memory,
         "reps": best["reps"], "bytes": moved, "seconds": best["seconds"],
         "gbps": max(trial_gbps, default=0.0), "trials_gbps": trial_gbps,
         "cpu_seconds": best["cpu_seconds"],
@@ -271,7 +304,6 @@ def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[
     Interleaving keeps every comparison at one shape a few seconds apart, which matters on a
     machine shared with other work.  Idle engines (Mooncake's too) use no CPU.
     """
-    size = max(b * n for b, n in shapes)
     procs: dict[str, tuple] = {}
 
     def stop(t: Transport, exc: BaseException) -> None:
@@ -290,13 +322,14 @@ def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[
     try:
         for t in running:
             try:
-                procs[t.name] = _start(t, opts, size, log)
+                procs[t.name] = _start(t, opts, log)
             except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
         for op in opts.ops:
             for block, count in shapes:
-                _measure_shape(op, block, count, [t for t in running if t.name in procs], procs, limits, opts,
-                               progress, result, stop)
+                _measure_shape(op, block, count, [t for t in running if t.name in procs and
+                                                  (block, count) in shapes_for(t, opts)],
+                               procs, limits, opts, progress, result, stop)
         for t in running:
             if t.name not in procs:
                 continue
@@ -363,7 +396,7 @@ def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs:
     runs: dict[str, list[dict]] = {t.name: [] for t in live}
     steal = StealClock()
     for _ in range(opts.trials):
-        for name in list(limit_gbps):
+        for name in [n for n in limit_gbps if not bl.derived_from(n)]:
             try:
                 limit_gbps[name].append(bl.measure(name, block, span, limit_bytes, streams=opts.streams))
             except bl.BaselineUnavailable as exc:
@@ -373,9 +406,17 @@ def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs:
             if t.name not in procs or (runs[t.name] and runs[t.name][-1]["rc"] != 0):
                 continue
             try:
-                runs[t.name].append(_run_trial(op, block, count, reps, *procs[t.name]))
+                runs[t.name].append(_run_trial(t, op, block, count, reps, *procs[t.name]))
             except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
+    for name, parts in ((n, bl.derived_from(n)) for n in list(limit_gbps)):
+        if not parts:
+            continue
+        if all(p in limit_gbps for p in parts):  # the smallest of the parts, round by round
+            limit_gbps[name] = [min(vals) for vals in zip(*(limit_gbps[p] for p in parts), strict=True)]
+        else:
+            result["baselines_missing"][name] = "needs " + ", ".join(p for p in parts if p not in limit_gbps)
+            del limit_gbps[name]
     return _Attempt(limit_gbps, runs, steal.share())
 
 
@@ -397,7 +438,7 @@ def _measure_shape(op: str, block: int, count: int, live: list[Transport], procs
     expects: dict[str, str] = {}
     for t in live:
         try:
-            expects[t.name] = _prepare_row(op, span, *procs[t.name])
+            expects[t.name] = _prepare_row(t, op, block, count, *procs[t.name])
         except (EngineProcessError, OSError) as exc:
             stop(t, exc)
     live = [t for t in live if t.name in expects]
@@ -466,7 +507,6 @@ def _host_info() -> dict:
 def run_bench(opts: BenchOptions) -> int:
     """Run the sweep, print the tables (and targets), write JSON (and PNG); 0 only if every
     transfer was verified and no target was missed."""
-    shapes = shapes_of(opts)
     chosen = [t for t in TRANSPORTS if t.name in opts.transports]
     unknown = set(opts.transports) - {t.name for t in TRANSPORTS}
     if unknown:
@@ -476,7 +516,8 @@ def run_bench(opts: BenchOptions) -> int:
     result: dict = {"schema": SCHEMA,
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": _host_info(), "errors": [],
-              "options": {"blocks": opts.blocks, "batches": opts.batches, "ops": opts.ops, "streams": opts.streams,
+              "options": {"blocks": opts.blocks, "batches": opts.batches, "paged_blocks": opts.paged_blocks,
+                          "paged_count": opts.paged_count, "ops": opts.ops, "streams": opts.streams,
                           "transports": opts.transports, "repeat": opts.repeat, "target_bytes": opts.target_bytes,
                           "trials": opts.trials, "steal_retries": opts.steal_retries,
                           "steal_retry_at": opts.steal_retry_at,
@@ -489,9 +530,11 @@ def run_bench(opts: BenchOptions) -> int:
         if not ok:
             print(f"{t.name}: {reason}", file=sys.stderr)
     running = [t for t in chosen if transports[t.name]["available"]]
+    shapes = sorted({shape for t in running for shape in shapes_for(t, opts)})
     wanted = {t.limit for t in running} | {extra for t in running for extra in bl.also_against(t.limit)}
     limits = [b for b in bl.BASELINES if b != "mooncake" and b in wanted]
-    progress = _Progress((len(limits) + len(running)) * len(opts.ops) * len(shapes) + len(running))
+    progress = _Progress(len(opts.ops) * (len(limits) * len(shapes) + sum(len(shapes_for(t, opts)) for t in running))
+                         + len(running))
     result.update(transports=transports, baselines=[], baselines_missing={}, rows=[], latency=[])
     with contextlib.ExitStack() as stack:
         log = None if opts.verbose else stack.enter_context(tempfile.TemporaryFile("w+"))

@@ -15,9 +15,11 @@ import hashlib
 import math
 import os
 import resource
+import threading
 import time
 
 from ..._process import GUARD_BYTES, EngineProcess, EngineServer, GuardedRegion
+from .layouts import PAGED_LAYERS, block_plan
 
 __all__ = ["MEMORY_KINDS", "WorkerProcess"]
 
@@ -69,7 +71,7 @@ def _cpu_seconds() -> float:
 class _Worker(EngineServer):
     """Command handlers of the child process."""
 
-    COMMANDS = EngineServer.COMMANDS | {"init", "run", "latency"}
+    COMMANDS = EngineServer.COMMANDS | {"init", "run", "latency", "digest_blocks"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,40 +100,72 @@ class _Worker(EngineServer):
             self.add(GuardedRegion(HostBuffer(whole), size), location="*")
         return {"session": session, "pid": os.getpid(), "regions": self.region_list()}
 
+    def digest_blocks(self, side: str, layout: str, block: int, count: int, layers: int = PAGED_LAYERS,
+                      seed: int = 0) -> dict:
+        """sha256 of this side's (``side``: local or remote) blocks of a plan, in plan order: equal
+        on both sides once every block has moved to its place."""
+        local, remote = block_plan(layout, block, count, layers, seed)
+        offsets = local if side == "local" else remote
+        whole = self.regions[0].read(0, max(offsets) + block)
+        h = hashlib.sha256()
+        for off in offsets:
+            h.update(whole[off:off + block])
+        return {"digest": h.hexdigest()}
+
     def run(self, op: str, target: str, remote: int, block: int, count: int, reps: int, trials: int = 1,
-            warmup: int = 1) -> dict:
+            warmup: int = 1, layout: str = "contiguous", callers: int = 1, layers: int = PAGED_LAYERS,
+            seed: int = 0) -> dict:
         """``warmup`` untimed, then ``trials`` timed loops of ``reps`` batch transfers of ``count`` blocks.
 
-        Block i goes between ``local + i*block`` and ``remote + i*block``.  The answer carries the
-        first failing return code (0 if none) and, per trial, the wall seconds and this process's
-        CPU seconds (user + system, all threads) of the timed loop.
+        Block i goes between the plan's local and remote offsets (``layouts.block_plan``); with
+        ``callers`` > 1, that many threads each move their share of the blocks (every caller-th)
+        in calls of their own, ``reps`` each, all at once.  The answer carries the first failing
+        return code (0 if none) and, per trial, the wall seconds and this process's CPU seconds
+        (user + system, all threads) of the timed loop.
         """
-        local = [self.regions[0].addr + i * block for i in range(count)]
-        remote_addrs = [remote + i * block for i in range(count)]
-        lengths = [block] * count
+        local_off, remote_off = block_plan(layout, block, count, layers, seed)
+        base = self.regions[0].addr
+        parts = [([base + o for o in local_off[c::callers]], [remote + o for o in remote_off[c::callers]])
+                 for c in range(max(1, callers))]
         if op == "write":
             fn = self.engine.batch_transfer_sync_write
         elif op == "read":
             fn = self.engine.batch_transfer_sync_read
         else:
             raise ValueError(f"op must be 'write' or 'read', not {op!r}")
-        for _ in range(warmup):
-            rc = fn(target, local, remote_addrs, lengths)
+
+        def loop(part: tuple[list[int], list[int]], n: int, codes: list[int]) -> None:
+            lengths = [block] * len(part[0])
+            for _ in range(n):
+                rc = fn(target, part[0], part[1], lengths)
+                if rc != 0:
+                    codes.append(rc)
+                    return
+
+        def all_callers(n: int) -> int:
+            codes: list[int] = []
+            if len(parts) == 1:
+                loop(parts[0], n, codes)
+            else:
+                threads = [threading.Thread(target=loop, args=(part, n, codes)) for part in parts]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            return codes[0] if codes else 0
+
+        if warmup:
+            rc = all_callers(warmup)
             if rc != 0:
                 return {"rc": rc, "trials": [], "where": "warm-up"}
         results: list[dict] = []
         rc = 0
         for _ in range(trials):
-            done = 0
             cpu0 = _cpu_seconds()
             t0 = time.perf_counter()
-            while done < reps:
-                rc = fn(target, local, remote_addrs, lengths)
-                if rc != 0:
-                    break
-                done += 1
+            rc = all_callers(reps)
             seconds = time.perf_counter() - t0
-            results.append({"reps": done, "seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0})
+            results.append({"reps": reps if rc == 0 else 0, "seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0})
             if rc != 0:
                 break
         return {"rc": rc, "trials": results}
