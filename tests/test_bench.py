@@ -541,3 +541,13 @@ def test_gpu_tcp_limit_is_the_smallest_leg(monkeypatch):
                                                                "gpu tcp limit"], opts, result, None)
     assert attempt.limit_gbps["gpu tcp limit"] == [25.0, 20.0]
     assert bl.derived_from("gpu tcp limit") == ("raw socket", "cuda d2h", "cuda h2d")
+
+
+def test_latency_n_zero_skips_the_latency_test(tmp_path, capsys):
+    opts = bench.BenchOptions(blocks=[4096], batches=[8], ops=["write"], transports=["tcp"], repeat=1, trials=1,
+                              latency_n=0, mooncake=False, json_path=str(tmp_path / "r.json"), png_path=None,
+                              steal_retries=0)
+    assert bench.run_bench(opts) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["errors"] == [] and data["latency"] == [] and data["rows"][0]["verified"]
+    assert "RuntimeWarning" not in capsys.readouterr().err  # the workers start without runpy's warning

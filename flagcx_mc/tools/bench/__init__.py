@@ -10,6 +10,17 @@
 
 from __future__ import annotations
 
-from .runner import TRANSPORTS, BenchOptions, run_bench
+from typing import Any
 
 __all__ = ["TRANSPORTS", "BenchOptions", "run_bench"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, not with the package: the bench's worker processes run as
+    # ``python -m flagcx_mc.tools.bench.worker``, and runpy warns when the package has already
+    # imported the module it is about to run.
+    if name in __all__:
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(name)

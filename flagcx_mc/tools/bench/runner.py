@@ -331,7 +331,7 @@ def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[
                                                   (block, count) in shapes_for(t, opts)],
                                procs, limits, opts, progress, result, stop)
         for t in running:
-            if t.name not in procs:
+            if t.name not in procs or opts.latency_n <= 0:  # --latency-n 0: no latency test
                 continue
             try:
                 lat = _measure_latency(t, opts.latency_n, *procs[t.name])
