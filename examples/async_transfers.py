@@ -66,7 +66,7 @@ async def run(args, engine, sessions, local, back, remotes, block) -> int:
         todo = iter(jobs)
         return asyncio.gather(*(worker(op, todo) for _ in range(args.concurrency)))
 
-    for p, i, offset, remote_addr in jobs[::args.blocks]:  # one block per peer opens its session
+    for p, _, offset, remote_addr in jobs[::args.blocks]:  # one block per peer opens its session
         await engine.transfer_sync_write(sessions[p], local.addr + offset, remote_addr, block)
     nbytes = len(jobs) * block
     print(f"{len(sessions)} peers, {len(jobs)} transfers of {args.block_kib} KiB each way, "
