@@ -187,3 +187,16 @@ def test_the_api_path_refuses_what_the_direct_path_refuses(api_only, args, messa
     with pytest.raises((TypeError, ValueError)) as info:
         api_only(*args)
     assert message in str(info.value)
+
+
+def test_list_and_tuple_subclasses_pack_as_their_bases():
+    """Subclasses share their base's item layout (read directly) and must pack the same."""
+    from collections import namedtuple
+
+    class Addresses(list):
+        pass
+
+    Triple = namedtuple("Triple", "a b c")
+    values = [2**45 + 1, 7, 2**63 + 5]
+    expected = pack3(values, values, [1, 2, 3])
+    assert pack3(Addresses(values), Triple(*values), Triple(1, 2, 3)) == expected
