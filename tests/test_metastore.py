@@ -623,7 +623,7 @@ def test_redis_db_index(redis_env, text, index):
 def test_redis_package_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)
     monkeypatch.setitem(sys.modules, "redis.asyncio", None)
-    with pytest.raises(NotSupportedError, match=r"pip install flagcx_mc\[redis\]"):
+    with pytest.raises(NotSupportedError, match=r"pip install 'flagcx_mc\[redis\]'"):
         RedisMetadataStore(f"redis://{HOST}:6379")
 
 

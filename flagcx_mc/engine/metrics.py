@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core import ffi
+from .._extras import install_hint
 
 __all__ = ["EngineMetrics", "LATENCY_BUCKETS", "PeerStats", "export_prometheus"]
 
@@ -123,7 +124,7 @@ def _plus_core(stats: PeerStats, counts: Any) -> PeerStats:
 def export_prometheus(engine, registry=None, prefix: str = "flagcx_mc"):
     """Register a collector for ``engine`` (either facade) with ``prometheus_client``.
 
-    Raises ImportError with an install hint when prometheus_client is missing.
+    Raises ImportError naming the ``prometheus`` extra when prometheus_client is missing.
     """
     try:
         from prometheus_client.core import (
@@ -132,8 +133,8 @@ def export_prometheus(engine, registry=None, prefix: str = "flagcx_mc"):
             HistogramMetricFamily,
         )
         from prometheus_client.registry import REGISTRY
-    except ImportError as exc:  # pragma: no cover - exercised only without the package
-        raise ImportError("export_prometheus needs prometheus-client: pip install prometheus-client") from exc
+    except ImportError as exc:
+        raise ImportError(f"export_prometheus {install_hint('prometheus', 'prometheus_client')}") from exc
 
     class _Collector:
         def collect(self):

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._extras import install_hint
 from ..errors import (
     EngineStateError,
     HandshakeTimeoutError,
@@ -92,10 +93,7 @@ class RedisMetadataStore(MetadataStore):
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
         except ImportError:
-            raise NotSupportedError(
-                "a redis:// metadata server needs the 'redis' package: "
-                "pip install flagcx_mc[redis]  (or: pip install redis)"
-            ) from None
+            raise NotSupportedError(f"a redis:// metadata server {install_hint('redis', 'redis')}") from None
         self._errors = redis_errors
         self._url = url
         password = settings.redis_password or None

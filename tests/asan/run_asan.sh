@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Leak and memory-error check of the C core: builds it with AddressSanitizer (LeakSanitizer
-# included) in a temporary directory (the argument packer too), runs tests/test_core.py and tests/test_transfers.py (or
-# the tests given as arguments) against that build, and reports every sanitizer finding that
+# included) in a temporary directory (the argument packer too), runs tests/test_core.py, tests/test_transfers.py and
+# tests/test_argpack.py (or the tests given as arguments) against that build, and reports every sanitizer finding that
 # involves the core's own code.  CPython's deliberate leaks at exit are not ours and are left out.
 #
 #   tests/asan/run_asan.sh                       # from the repository root; 15-60 s
@@ -43,11 +43,11 @@ mkdir -p "$WORK/site"
     cp "$ROOT/$f" "$WORK/site/$f"
 done
 cp "$WORK"/flagcx_mc/_fmc_cffi*.so "$WORK/site/flagcx_mc/"
-# The argument packer (a plain CPython extension), sanitized too.
+# The argument packer (a plain CPython extension, built against the limited API as setup.py
+# builds it), sanitized too.
 PYINC="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
-EXT="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-if ! gcc -shared -fPIC -O1 -g -fsanitize=address -fno-omit-frame-pointer -I"$PYINC" \
-        "$ROOT/_cffi_build/argpack.c" -o "$WORK/site/flagcx_mc/_argpack$EXT" >>"$WORK/build.log" 2>&1; then
+if ! gcc -shared -fPIC -O1 -g -fsanitize=address -fno-omit-frame-pointer -DPy_LIMITED_API=0x030A0000 -I"$PYINC" \
+        "$ROOT/_cffi_build/argpack.c" -o "$WORK/site/flagcx_mc/_argpack.abi3.so" >>"$WORK/build.log" 2>&1; then
     cat "$WORK/build.log" >&2
     echo "run_asan: build of the argument packer failed" >&2
     exit 2
@@ -63,7 +63,7 @@ case "$IMPORTED" in
 esac
 TESTS=("$@")
 if [ ${#TESTS[@]} -eq 0 ]; then
-    TESTS=("$ROOT/tests/test_core.py" "$ROOT/tests/test_transfers.py")
+    TESTS=("$ROOT/tests/test_core.py" "$ROOT/tests/test_transfers.py" "$ROOT/tests/test_argpack.py")
 else
     for i in "${!TESTS[@]}"; do TESTS[$i]="$(cd "$(dirname "${TESTS[$i]}")" && pwd)/$(basename "${TESTS[$i]}")"; done
 fi

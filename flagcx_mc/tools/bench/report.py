@@ -13,6 +13,7 @@ import statistics
 import sys
 from typing import IO
 
+from ..._extras import install_hint
 from ..._units import fmt_size
 from .limits import BASELINES, also_against
 
@@ -143,7 +144,7 @@ def draw_png(result: dict, path: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
+        return f"matplotlib is not installed (the plot {install_hint('bench', 'matplotlib')})"
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for transport in dict.fromkeys(r["transport"] for r in result["rows"]):
         picked = throughput_rows(result["rows"], transport)

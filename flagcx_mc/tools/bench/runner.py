@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import IO
 
+from ..._extras import install_hint
 from ..._process import EngineProcessError
 from ..._units import fmt_size
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
@@ -157,7 +158,8 @@ def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
         if not opts.mooncake:
             return False, "skipped (--no-mooncake)"
         if importlib.util.find_spec("mooncake") is None:
-            return False, "mooncake.engine cannot be imported (pip install mooncake-transfer-engine-non-cuda)"
+            hint = install_hint("bench", "mooncake")
+            return False, f"mooncake.engine cannot be imported (Mooncake's engine, x86_64 only, {hint})"
         return True, ""
     if t.memory == "cuda":
         from ... import names
