@@ -18,6 +18,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -94,6 +95,7 @@ static struct {
     CUresult (*event_create)(void **, unsigned int);
     CUresult (*event_record)(void *, void *);
     CUresult (*event_synchronize)(void *);
+    CUresult (*event_query)(void *);
     CUresult (*event_destroy)(void *);
     CUresult (*stream_destroy)(void *);
     CUresult (*module_load_data)(void **, const void *);
@@ -153,11 +155,13 @@ static int load(void)
     void **vmm_fields[] = {(void **)&cu.mem_retain_handle, (void **)&cu.mem_release, (void **)&cu.mem_export,
                            (void **)&cu.mem_import, (void **)&cu.mem_reserve, (void **)&cu.mem_address_free,
                            (void **)&cu.mem_map, (void **)&cu.mem_unmap, (void **)&cu.mem_set_access};
-    const char *opt_names[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuEventDestroy_v2",
-                               "cuStreamDestroy_v2", "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel"};
+    const char *opt_names[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuEventQuery",
+                               "cuEventDestroy_v2", "cuStreamDestroy_v2", "cuModuleLoadData", "cuModuleGetFunction",
+                               "cuLaunchKernel"};
     void **opt_fields[] = {(void **)&cu.event_create, (void **)&cu.event_record, (void **)&cu.event_synchronize,
-                           (void **)&cu.event_destroy, (void **)&cu.stream_destroy, (void **)&cu.module_load_data,
-                           (void **)&cu.module_get_function, (void **)&cu.launch_kernel};
+                           (void **)&cu.event_query, (void **)&cu.event_destroy, (void **)&cu.stream_destroy,
+                           (void **)&cu.module_load_data, (void **)&cu.module_get_function,
+                           (void **)&cu.launch_kernel};
     for (size_t i = 0; i < sizeof opt_names / sizeof *opt_names; i++)
         *opt_fields[i] = dlsym(cu.lib, opt_names[i]);
     if (!cu.event_create || !cu.event_record || !cu.event_synchronize)
@@ -560,6 +564,69 @@ int fmc_cuda_wait(int device)
     return cu.stream_synchronize(stream) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
 }
 
+/* Fences: an event recorded behind this thread's copies so far, so that a pipeline can queue
+ * the next copies and wait for the earlier ones only.  Events block rather than spin in
+ * cuEventSynchronize (the threads moving bytes over TCP need the cores more than a waiter
+ * does); a wait first polls for FENCE_POLL_US, since a pipeline usually waits for a copy that
+ * has landed already or is about to.  Without events, a fence is a synchronise of the thread's
+ * stream on that device (it holds this thread's copies only). */
+#define FENCE_POLL_US 20
+#define CU_EVENT_BLOCKING_SYNC 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CUDA_ERROR_NOT_READY 600
+
+int fmc_cuda_fence_record(fmc_fence *f, int device)
+{
+    void *stream = stream_of(device);
+    f->armed = 0;
+    if (!stream)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    if (f->ev && f->dev != device)
+        fmc_cuda_fence_free(f);
+    if (!f->ev && cu.event_create && cu.event_create(&f->ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC) != 0)
+        f->ev = NULL;
+    f->dev = device;
+    if (f->ev && cu.event_record(f->ev, stream) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    f->armed = 1;
+    return FMC_OK;
+}
+
+int fmc_cuda_fence_wait(fmc_fence *f)
+{
+    if (!f->armed)
+        return FMC_OK;
+    f->armed = 0;
+    if (!f->ev) {
+        void *stream = stream_of(f->dev);
+        return stream && cu.stream_synchronize(stream) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+    }
+    if (use_device(f->dev) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    if (cu.event_query) {
+        int64_t until = fmc_now_us() + FENCE_POLL_US;
+        for (;;) {
+            CUresult r = cu.event_query(f->ev);
+            if (r == 0)
+                return FMC_OK;
+            if (r != CUDA_ERROR_NOT_READY)
+                return FMC_ERR_DEVICE_NOT_FOUND;
+            if (fmc_now_us() >= until)
+                break;
+            sched_yield();
+        }
+    }
+    return cu.event_synchronize(f->ev) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+}
+
+void fmc_cuda_fence_free(fmc_fence *f)
+{
+    if (f->ev && cu.event_destroy && use_device(f->dev) == 0)
+        cu.event_destroy(f->ev);
+    f->ev = NULL;
+    f->armed = 0;
+}
+
 int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
 {
     int rc = fmc_cuda_copy_async(dst, src, len, device);
@@ -570,7 +637,7 @@ int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
 /* Host staging memory for `device`'s copies: pinned when CUDA is there (faster copies), under
  * that device's context (never another's) and portable, so that a buffer reused for another
  * device's copies stays pinned for it; plain memory otherwise. */
-static void *staging_alloc(size_t len, int device, int *pinned)
+void *fmc_staging_alloc(size_t len, int device, int *pinned)
 {
     *pinned = 0;
     if (device >= 0 && fmc_cuda_available() && use_device(device) == 0) {
@@ -583,7 +650,7 @@ static void *staging_alloc(size_t len, int device, int *pinned)
     return malloc(len);
 }
 
-static void staging_free(void *p, int pinned, int device)
+void fmc_staging_free(void *p, int pinned, int device)
 {
     if (!p)
         return;
@@ -601,8 +668,8 @@ int fmc_staging_reserve(fmc_staging *s, size_t len, int device)
 {
     if (s->cap >= len)
         return 0;
-    staging_free(s->buf, s->pinned, s->device);
-    s->buf = staging_alloc(len, device, &s->pinned);
+    fmc_staging_free(s->buf, s->pinned, s->device);
+    s->buf = fmc_staging_alloc(len, device, &s->pinned);
     s->device = device;
     s->cap = s->buf ? len : 0;
     return s->buf ? 0 : -1;
@@ -610,7 +677,7 @@ int fmc_staging_reserve(fmc_staging *s, size_t len, int device)
 
 void fmc_staging_release(fmc_staging *s)
 {
-    staging_free(s->buf, s->pinned, s->device);
+    fmc_staging_free(s->buf, s->pinned, s->device);
     s->buf = NULL;
     s->cap = 0;
 }
