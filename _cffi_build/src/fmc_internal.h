@@ -429,13 +429,11 @@ typedef struct fmc_stream {
     int caller_recv;          /* a caller owns the receive side */
     int recv_in;              /* parked watching the socket for answers (POLLIN) */
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
-    fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
+    fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
-    fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
-    fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;
     int threads_alive;
     int started;
