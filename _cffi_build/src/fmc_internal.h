@@ -188,8 +188,7 @@ void fmc_cuda_fence_free(fmc_fence *f);
  * held by senders blocked on a peer's receiver.  A pipeline holds at most FMC_STAGE_DEPTH chunks;
  * it waits for one only while it holds none (fmc_stage_get with a deadline), and takes further
  * ones only if free right away (deadline 0), so no holder ever waits for another. */
-#define FMC_STAGE_CHUNK (1u << 20)
-#define FMC_STAGE_PIECE (256u << 10) /* one copy and one fence: the grain of a pipeline */
+#define FMC_STAGE_CHUNK (512u << 10)
 #define FMC_STAGE_DEPTH 4
 enum { FMC_STAGE_SEND = 0, FMC_STAGE_RECV = 1 };
 typedef struct fmc_chunk {
