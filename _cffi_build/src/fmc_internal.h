@@ -190,6 +190,7 @@ void fmc_cuda_fence_free(fmc_fence *f);
  * ones only if free right away (deadline 0), so no holder ever waits for another. */
 #define FMC_STAGE_CHUNK (512u << 10)
 #define FMC_STAGE_DEPTH 4
+#define FMC_GPU_ROUND_BYTES (2 * FMC_STAGE_DEPTH * FMC_STAGE_CHUNK) /* a send round of GPU sources */
 enum { FMC_STAGE_SEND = 0, FMC_STAGE_RECV = 1 };
 typedef struct fmc_chunk {
     uint8_t *buf;

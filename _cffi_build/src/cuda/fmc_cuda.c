@@ -565,12 +565,13 @@ int fmc_cuda_wait(int device)
 }
 
 /* Fences: an event recorded behind this thread's copies so far, so that a pipeline can queue
- * the next copies and wait for the earlier ones only.  Events block rather than spin in
- * cuEventSynchronize (the threads moving bytes over TCP need the cores more than a waiter
- * does); a wait first polls for FENCE_POLL_US, since a pipeline usually waits for a copy that
- * has landed already or is about to.  Without events, a fence is a synchronise of the thread's
- * stream on that device (it holds this thread's copies only). */
-#define FENCE_POLL_US 20
+ * the next copies and wait for the earlier ones only.  A wait polls the event (yielding the CPU
+ * between polls) for up to FENCE_POLL_US, which covers a chunk's copy on any GPU, and only then
+ * blocks in cuEventSynchronize: a blocking wait is woken by an interrupt, tens to hundreds of
+ * microseconds late, which on the H200 halved what a stream moved when every piece paid it.
+ * Without events, a fence is a synchronise of the thread's stream on that device (it holds this
+ * thread's copies only). */
+#define FENCE_POLL_US 2000
 #define CU_EVENT_BLOCKING_SYNC 0x1
 #define CU_EVENT_DISABLE_TIMING 0x2
 #define CUDA_ERROR_NOT_READY 600

@@ -162,13 +162,13 @@ static int vectorizable(const fmc_peer *p, const fmc_slice *s)
     return p->vectors && s->len <= FMC_VEC_ENTRY_MAX;
 }
 
-/* How many slices from s on can form one vector, within this round's limits. */
-static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int nentries, size_t bytes)
+/* How many slices from s on can form one vector, within this round's limits (`limit` bytes). */
+static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int nentries, size_t bytes, size_t limit)
 {
     int is_write = s->batch->opcode == FMC_OP_WRITE, k = 0;
     for (const fmc_slice *x = s; x && k < FMC_VEC_MAX && x->batch == s->batch && vectorizable(p, x); x = x->next) {
         if (nentries + k + 1 > FMC_IOV_MAX || (is_write && niov + 2 + k + 1 > FMC_IOV_MAX) ||
-            (k > 0 && bytes >= FMC_COALESCE_BYTES))
+            (k > 0 && bytes >= limit))
             break;
         if (is_write)
             bytes += x->len;
@@ -346,10 +346,16 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->iov[niov++] = (struct iovec){.iov_base = sc->ack, .iov_len = FMC_REQ_SIZE};
     }
     fmc_slice *first_sent = st->pending.head;
-    while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
+    /* A round of GPU sources is longer: its staging pipeline runs FMC_STAGE_DEPTH pieces ahead
+     * within a round, so only a round's first gather is not hidden behind the wire. */
+    size_t limit = first_sent && first_sent->local_dev >= 0 && first_sent->batch->opcode == FMC_OP_WRITE
+                       ? FMC_GPU_ROUND_BYTES
+                       : FMC_COALESCE_BYTES;
+    while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < limit || niov == 0)) {
         fmc_slice *s = st->pending.head;
         int is_write = s->batch->opcode == FMC_OP_WRITE;
-        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes) : 1;
+        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes, limit)
+                                                                     : 1;
         if (k >= 2) {
             /* One header, the table of k entries, then (writes) the k payloads. */
             uint8_t *table = sc->table[nent];
