@@ -18,7 +18,6 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -95,7 +94,6 @@ static struct {
     CUresult (*event_create)(void **, unsigned int);
     CUresult (*event_record)(void *, void *);
     CUresult (*event_synchronize)(void *);
-    CUresult (*event_query)(void *);
     CUresult (*event_destroy)(void *);
     CUresult (*stream_destroy)(void *);
     CUresult (*module_load_data)(void **, const void *);
@@ -155,11 +153,11 @@ static int load(void)
     void **vmm_fields[] = {(void **)&cu.mem_retain_handle, (void **)&cu.mem_release, (void **)&cu.mem_export,
                            (void **)&cu.mem_import, (void **)&cu.mem_reserve, (void **)&cu.mem_address_free,
                            (void **)&cu.mem_map, (void **)&cu.mem_unmap, (void **)&cu.mem_set_access};
-    const char *opt_names[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuEventQuery",
+    const char *opt_names[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize",
                                "cuEventDestroy_v2", "cuStreamDestroy_v2", "cuModuleLoadData", "cuModuleGetFunction",
                                "cuLaunchKernel"};
     void **opt_fields[] = {(void **)&cu.event_create, (void **)&cu.event_record, (void **)&cu.event_synchronize,
-                           (void **)&cu.event_query, (void **)&cu.event_destroy, (void **)&cu.stream_destroy,
+                           (void **)&cu.event_destroy, (void **)&cu.stream_destroy,
                            (void **)&cu.module_load_data, (void **)&cu.module_get_function,
                            (void **)&cu.launch_kernel};
     for (size_t i = 0; i < sizeof opt_names / sizeof *opt_names; i++)
@@ -565,16 +563,13 @@ int fmc_cuda_wait(int device)
 }
 
 /* Fences: an event recorded behind this thread's copies so far, so that a pipeline can queue
- * the next copies and wait for the earlier ones only.  A wait polls the event (yielding the CPU
- * between polls) for up to FENCE_POLL_US, which covers a chunk's copy on any GPU, and only then
- * blocks in cuEventSynchronize: a blocking wait is woken by an interrupt, tens to hundreds of
- * microseconds late, which on the H200 halved what a stream moved when every piece paid it.
- * Without events, a fence is a synchronise of the thread's stream on that device (it holds this
- * thread's copies only). */
-#define FENCE_POLL_US 2000
-#define CU_EVENT_BLOCKING_SYNC 0x1
+ * the next copies and wait for the earlier ones only.  A wait is cuEventSynchronize on an event
+ * made without CU_EVENT_BLOCKING_SYNC, which the driver polls: a blocking wait is woken by an
+ * interrupt, tens to hundreds of microseconds late, and polling cuEventQuery from many threads
+ * contends with their launches; on the H200 either cost a third to a half of what a stream
+ * moved.  Without events, a fence is a synchronise of the thread's stream on that device (it
+ * holds this thread's copies only). */
 #define CU_EVENT_DISABLE_TIMING 0x2
-#define CUDA_ERROR_NOT_READY 600
 
 int fmc_cuda_fence_record(fmc_fence *f, int device)
 {
@@ -584,7 +579,7 @@ int fmc_cuda_fence_record(fmc_fence *f, int device)
         return FMC_ERR_DEVICE_NOT_FOUND;
     if (f->ev && f->dev != device)
         fmc_cuda_fence_free(f);
-    if (!f->ev && cu.event_create && cu.event_create(&f->ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC) != 0)
+    if (!f->ev && cu.event_create && cu.event_create(&f->ev, CU_EVENT_DISABLE_TIMING) != 0)
         f->ev = NULL;
     f->dev = device;
     if (f->ev && cu.event_record(f->ev, stream) != 0)
@@ -604,19 +599,6 @@ int fmc_cuda_fence_wait(fmc_fence *f)
     }
     if (use_device(f->dev) != 0)
         return FMC_ERR_DEVICE_NOT_FOUND;
-    if (cu.event_query) {
-        int64_t until = fmc_now_us() + FENCE_POLL_US;
-        for (;;) {
-            CUresult r = cu.event_query(f->ev);
-            if (r == 0)
-                return FMC_OK;
-            if (r != CUDA_ERROR_NOT_READY)
-                return FMC_ERR_DEVICE_NOT_FOUND;
-            if (fmc_now_us() >= until)
-                break;
-            sched_yield();
-        }
-    }
     return cu.event_synchronize(f->ev) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
 }
 
