@@ -164,7 +164,7 @@ int fmc_cuda_wait(int device);
 int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device);
 /* The same for staging (one side pinned host memory, which the kernel reaches by unified
  * addressing): `mode` (fmc_options.gpu_copy) picks the copy kernel (many entries in one launch;
- * runs of 64 KiB or more on the copy engines in auto), the driver's batched copy, or one copy per
+ * runs of 32 KiB or more on the copy engines in auto), the driver's batched copy, or one copy per
  * run.  Then fmc_cuda_wait, which waits for this thread's copies only. */
 int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device, int mode);
 

@@ -459,10 +459,12 @@ static void *copy_kernel(int device)
     return k;
 }
 
-/* In auto mode, runs of at least this many bytes go to the copy engines (the driver's batch):
- * on the H200 the kernel gathered 16 KiB blocks faster than the batch (paged KV, 1024 blocks a
- * call: 10.2 against 8.0 GB/s written) and 64 KiB blocks slower (11.7 against 18.7). */
-#define FMC_KERNEL_MAX_RUN (64u << 10)
+/* In auto mode, runs of at least this many bytes go to the copy engines (the driver's batch).
+ * On the H200 (two processes on one GPU, pipelined staging, 1024 blocks a call, GPU to GPU):
+ * 16 KiB blocks at random ids moved faster through the kernel from one caller (13.7 against
+ * 9.7 GB/s written) though slower from 10 (8.3 against 11.3); 32 KiB blocks moved faster
+ * through the batch from one caller and from 10 (15.6 against 12.2, 14.5 against 11.9). */
+#define FMC_KERNEL_MAX_RUN (32u << 10)
 
 typedef struct {
     uint64_t dst, src, len;
@@ -564,11 +566,10 @@ int fmc_cuda_wait(int device)
 
 /* Fences: an event recorded behind this thread's copies so far, so that a pipeline can queue
  * the next copies and wait for the earlier ones only.  A wait is cuEventSynchronize on an event
- * made without CU_EVENT_BLOCKING_SYNC, which the driver polls: a blocking wait is woken by an
- * interrupt, tens to hundreds of microseconds late, and polling cuEventQuery from many threads
- * contends with their launches; on the H200 either cost a third to a half of what a stream
- * moved.  Without events, a fence is a synchronise of the thread's stream on that device (it
- * holds this thread's copies only). */
+ * made without CU_EVENT_BLOCKING_SYNC, which the driver polls.  On the H200 (1 MiB blocks, GPU
+ * to GPU written) blocking events, woken by an interrupt, moved 10.8 GB/s; polling cuEventQuery
+ * from the waiting threads, 13.4; this, 19.0.  Without events, a fence is a synchronise of the
+ * thread's stream on that device (it holds this thread's copies only). */
 #define CU_EVENT_DISABLE_TIMING 0x2
 
 int fmc_cuda_fence_record(fmc_fence *f, int device)
