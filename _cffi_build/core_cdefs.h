@@ -80,6 +80,7 @@ typedef struct {
     int copy_threads;    /* threads that copy one large same-host call (0: online cores; at most 4) */
     int zerocopy;        /* vmsplice + splice for large write payloads and read answers */
     int gpu_copy;        /* FMC_GPU_COPY_*: how scattered GPU blocks are staged for TCP */
+    uint64_t gpu_staging; /* bytes of pinned staging chunks GPU memory crosses TCP through */
 } fmc_options;
 enum { FMC_GPU_COPY_AUTO = 0, FMC_GPU_COPY_KERNEL = 1, FMC_GPU_COPY_BATCH = 2, FMC_GPU_COPY_SINGLE = 3 };
 void fmc_options_default(fmc_options *opts);

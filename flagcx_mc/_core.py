@@ -144,6 +144,7 @@ class CoreEngine:
         from .config import GPU_COPY_MODES
 
         opts.gpu_copy = GPU_COPY_MODES.index(config.gpu_copy)
+        opts.gpu_staging = int(config.gpu_staging)
         out = ffi.new("fmc_engine **")
         rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, opts, out)
         _raise_for(rc, f"cannot start the data listener on {bind_host}")

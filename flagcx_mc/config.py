@@ -29,7 +29,7 @@ __all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "default_streams"
 log = logging.getLogger(__name__)
 
 # How GPU blocks are staged through pinned host memory for TCP (fmc_options.gpu_copy, in this
-# order): the copy kernel for runs under 64 KiB and the driver's batched copy for longer ones
+# order): the copy kernel for runs under 32 KiB and the driver's batched copy for longer ones
 # (auto), the kernel for every run (kernel), the driver's batched copy (batch), one copy per run
 # (single).  Runs of adjacent blocks are one copy in every mode.
 GPU_COPY_MODES = ("auto", "kernel", "batch", "single")
@@ -250,6 +250,7 @@ class EngineConfig:
     copy_threads: int = 0                # threads copying one large same-host call; 0: online cores (at most 4)
     zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
     gpu_copy: str = "auto"               # staging scattered GPU blocks for TCP: auto, kernel, batch or single
+    gpu_staging: int = 64 << 20          # bytes of pinned staging chunks GPU memory crosses TCP through
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefault", prefault_mode(self.prefault))  # True/False/1/0 accepted too
@@ -282,6 +283,7 @@ class EngineConfig:
             "copy_threads": _env_clamped("FLAGCX_MC_COPY_THREADS", 1, 4),
             "zerocopy": _env_flag("FLAGCX_MC_ZEROCOPY"),
             "gpu_copy": os.environ.get("FLAGCX_MC_GPU_COPY") or None,
+            "gpu_staging": _env_number("FLAGCX_MC_GPU_STAGING", int),
         }
         values.update({k: v for k, v in own.items() if v is not None})
         env_secret = os.environ.get("FLAGCX_MC_SECRET")
@@ -322,6 +324,8 @@ class EngineConfig:
             raise InvalidArgumentError("copy_threads must be in 0..4 (0: the online cores)")
         if self.gpu_copy not in GPU_COPY_MODES:
             raise InvalidArgumentError(f"gpu_copy must be one of {', '.join(GPU_COPY_MODES)}, not {self.gpu_copy!r}")
+        if not (4 << 20) <= self.gpu_staging <= (16 << 30):
+            raise InvalidArgumentError("gpu_staging must be in [4 MiB, 16 GiB]")
         if self.secret is not None and not (isinstance(self.secret, bytes) and 1 <= len(self.secret) <= 256):
             raise InvalidArgumentError("secret must be 1 to 256 bytes")
         for name in ("rpc_port_range", "data_port_range"):

@@ -468,9 +468,51 @@ def test_targets_files_may_be_toml(tmp_path):
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
     kinds = [t.metric.split(":")[0] for t in loaded.targets]
-    assert kinds.count("calls_ratio") == 10 and len(kinds) == 21 and loaded.note_steal_from == 0.05
+    assert kinds.count("calls_ratio") == 10 and len(kinds) == 22 and loaded.note_steal_from == 0.05
     gpu_tcp = [t for t in loaded.targets if t.metric.endswith(":gpu tcp limit")]
-    assert len(gpu_tcp) == 4 and all(t.threshold == 0.8 and t.better == "higher" for t in gpu_tcp)
+    assert len(gpu_tcp) == 5 and all(t.better == "higher" for t in gpu_tcp)
+    assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.8, None)) == 4
+    assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.9, 1 << 20)) == 1
+
+
+def test_a_target_with_a_block_range_is_judged_on_those_rows_only(tmp_path):
+    ratio = {(16 << 10): 0.5, (1 << 20): 0.95, (64 << 20): 0.92}
+    rows = [{"transport": "tcp", "op": op, "block": b, "count": 4, "verified": True,
+             "ratios": {"raw socket": 0.88 if (op, b) == ("read", 64 << 20) else r}}
+            for op in ("write", "read") for b, r in ratio.items()]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([
+        {"name": "from 1 MiB", "metric": "throughput_ratio:tcp:raw socket", "threshold": 0.9, "better": "higher",
+         "min_block": 1 << 20},
+        {"name": "up to 1 MiB", "metric": "throughput_ratio:tcp:raw socket", "threshold": 0.9, "better": "higher",
+         "max_block": 1 << 20},
+        {"name": "exactly 1 MiB", "metric": "throughput_ratio:tcp:raw socket", "threshold": 0.9, "better": "higher",
+         "min_block": 1 << 20, "max_block": 1 << 20},
+        {"name": "every size", "metric": "throughput_ratio:tcp:raw socket", "threshold": 0.9, "better": "higher"},
+        {"name": "from 1 GiB", "metric": "throughput_ratio:tcp:raw socket", "threshold": 0.9, "better": "higher",
+         "min_block": 1 << 30}]))
+    loaded = tg.load_targets(str(path), TRANSPORT_NAMES)
+    result = {"rows": rows, "transports": {"tcp": {"available": True}}}
+    out = {t["name"]: t for t in tg.evaluate_targets(loaded, result)}
+    assert out["from 1 MiB"]["status"] == "MISS" and out["from 1 MiB"]["measured"] == 0.88
+    assert out["from 1 MiB"]["detail"].startswith("worst: read 64 MiB")
+    assert out["up to 1 MiB"]["measured"] == 0.5 and "16 KiB" in out["up to 1 MiB"]["detail"]
+    assert out["exactly 1 MiB"]["status"] == "PASS" and out["exactly 1 MiB"]["measured"] == 0.95
+    assert out["every size"]["measured"] == 0.5
+    assert out["from 1 GiB"]["status"] == "N/A" and "blocks from 1 GiB" in out["from 1 GiB"]["detail"]
+
+
+@pytest.mark.parametrize("bounds,complaint", [
+    ({"min_block": -1}, "block sizes in bytes"),
+    ({"max_block": "1m"}, "block sizes in bytes"),
+    ({"min_block": 2048, "max_block": 1024}, "above max_block"),
+])
+def test_bad_block_ranges_are_refused(tmp_path, bounds, complaint):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"name": "x", "metric": "throughput_ratio:tcp:raw socket", "threshold": 1,
+                                 "better": "higher", **bounds}]))
+    with pytest.raises(tg.TargetsError, match=complaint):
+        tg.load_targets(str(path), TRANSPORT_NAMES)
 
 
 def test_calls_ratio_targets_judge_single_transfers_of_the_async_bench(tmp_path):

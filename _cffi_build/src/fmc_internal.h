@@ -164,9 +164,55 @@ int fmc_cuda_wait(int device);
 int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device);
 /* The same for staging (one side pinned host memory, which the kernel reaches by unified
  * addressing): `mode` (fmc_options.gpu_copy) picks the copy kernel (many entries in one launch;
- * runs of 64 KiB or more on the copy engines in auto), the driver's batched copy, or one copy per
+ * runs of 32 KiB or more on the copy engines in auto), the driver's batched copy, or one copy per
  * run.  Then fmc_cuda_wait, which waits for this thread's copies only. */
 int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device, int mode);
+
+/* A point in this thread's copy stream on one device (events where the driver has them): recorded
+ * behind the copies this thread queued so far, then waited for by the same thread, so that a
+ * pipeline waits for the copies of one chunk and not for those queued after it. */
+typedef struct {
+    void *ev;
+    int dev;
+    int armed; /* recorded and not yet waited for */
+} fmc_fence;
+int fmc_cuda_fence_record(fmc_fence *f, int device);
+int fmc_cuda_fence_wait(fmc_fence *f); /* FMC_OK once every copy queued before the record landed */
+void fmc_cuda_fence_free(fmc_fence *f);
+
+/* Staging chunks (cuda/fmc_stage_pool.c): pinned host buffers of FMC_STAGE_CHUNK bytes, from a
+ * per-engine pool of fmc_options.gpu_staging bytes, half for each class.  SEND chunks hold GPU
+ * bytes on their way out (an initiator's write payloads, a target's read answers) and may be held
+ * while a send blocks; RECV chunks hold bytes that arrived for GPU memory and are held only until
+ * their copy to the GPU lands.  The classes are apart so that a receiver never waits for chunks
+ * held by senders blocked on a peer's receiver.  A pipeline holds at most FMC_STAGE_DEPTH chunks;
+ * it waits for one only while it holds none (fmc_stage_get with a deadline), and takes further
+ * ones only if free right away (deadline 0), so no holder ever waits for another. */
+#define FMC_STAGE_CHUNK (512u << 10)
+#define FMC_STAGE_DEPTH 4
+#define FMC_GPU_ROUND_BYTES (2 * FMC_STAGE_DEPTH * FMC_STAGE_CHUNK) /* a send round of GPU sources */
+enum { FMC_STAGE_SEND = 0, FMC_STAGE_RECV = 1 };
+typedef struct fmc_chunk {
+    uint8_t *buf;
+    int pinned; /* page-locked (the copy kernel reaches it); else plain memory, no CUDA here */
+    int dev;    /* the device it was allocated under */
+    int cls;
+    struct fmc_chunk *next; /* free list */
+} fmc_chunk;
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    fmc_chunk *free_list[2];
+    int made[2], limit[2];
+    int waiters[2];
+} fmc_stage_pool;
+void fmc_stage_pool_init(fmc_stage_pool *p, uint64_t bytes);
+void fmc_stage_pool_free(fmc_stage_pool *p);
+/* A chunk of class `cls` for copies of `device`: deadline_ms 0 = only one free now, < 0 = wait
+ * as long as it takes, else until that time (fmc_now_ms); a wait also ends when *stop turns
+ * non-zero.  NULL if none. */
+fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadline_ms, const int *stop);
+void fmc_stage_put(fmc_stage_pool *p, fmc_chunk *c);
 
 /* A growable host buffer through which GPU bytes cross the network. */
 typedef struct {
@@ -175,6 +221,9 @@ typedef struct {
     int pinned;
     int device; /* the GPU it was allocated for (pinned under that device's context) */
 } fmc_staging;
+/* Host memory for copies of GPU `device`: pinned (*pinned = 1) where CUDA is usable. */
+void *fmc_staging_alloc(size_t len, int device, int *pinned);
+void fmc_staging_free(void *p, int pinned, int device);
 /* At least `len` bytes, for copies of GPU `device`. */
 int fmc_staging_reserve(fmc_staging *s, size_t len, int device);
 void fmc_staging_release(fmc_staging *s);
@@ -278,6 +327,7 @@ struct fmc_engine {
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
     fmc_options opts;         /* set at creation, never changed */
+    fmc_stage_pool stage;     /* GPU staging chunks for TCP (cuda/fmc_stage_pool.c) */
     pthread_mutex_t log_mu;
     char log[FMC_LOG_CAP];
     int log_len;
@@ -379,13 +429,11 @@ typedef struct fmc_stream {
     int caller_recv;          /* a caller owns the receive side */
     int recv_in;              /* parked watching the socket for answers (POLLIN) */
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
-    fmc_staging send_stage;   /* GPU sources, owned by whoever holds sending_active */
+    fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
-    fmc_staging recv_stage;   /* GPU destinations, owned by the receiver thread; */
-    fmc_staging recv_stage2;  /* the two alternate, so one lands while the next arrives */
     int dead;
     int threads_alive;
     int started;

@@ -4,6 +4,11 @@
  *   FAKE_CUDA_UUIDS  comma-separated 32-hex-digit UUIDs: the devices this process sees, in
  *                    ordinal order (what CUDA_VISIBLE_DEVICES decides on a real host)
  *   FAKE_CUDA_IPC_FAIL=1  cuIpcOpenMemHandle refuses every handle (a driver or kernel that will not map)
+ *   FAKE_CUDA_LAZY=1  copies are asynchronous, as on a GPU that is slow: cuMemcpyAsync only queues
+ *                    a copy on its stream; it runs when the stream is synchronised, an event recorded
+ *                    behind it is synchronised, or the stream is destroyed, and cuEventQuery says
+ *                    "not ready" until then.  A caller that uses staging or destination bytes before
+ *                    waiting for their copy sees stale bytes.
  *   FAKE_CUDA_LOG    a file that gets one line per event: "retain <uuid>" (a primary context
  *                    retained), "pinned <uuid>" (pinned host memory made under that device's
  *                    context), "nocontext <call>" (a call that needs a current context had none),
@@ -41,8 +46,20 @@ typedef struct {
     int dev, retained;
 } fake_ctx;
 typedef struct {
+    uint64_t dst, src;
+    size_t len;
+} fake_copy;
+typedef struct {
     int dev;
+    pthread_mutex_t mu;
+    fake_copy *q; /* lazy mode: queued copies, [done, n) not run yet */
+    size_t n, cap, done;
 } fake_stream;
+typedef struct {
+    fake_stream *s;
+    size_t upto; /* the copies queued before the record */
+    int dev;
+} fake_event;
 typedef struct {
     uint64_t base, size; /* the "device address": mapped PROT_NONE, as GPU memory is to the CPU */
     char *shadow;        /* the same pages, readable and writable: what the fake copies through */
@@ -351,33 +368,135 @@ int cuIpcOpenMemHandle_v2(uint64_t *p, fake_handle_arg handle, unsigned int flag
 
 int cuIpcCloseMemHandle(uint64_t p) { return drop(p, 1); }
 
+static int lazy(void)
+{
+    const char *v = getenv("FAKE_CUDA_LAZY");
+    return v && *v == '1';
+}
+
 int cuStreamCreate(void **stream, unsigned int flags)
 {
     (void)flags;
     if (!need_ctx("cuStreamCreate"))
         return E_INVALID_CONTEXT;
-    fake_stream *s = malloc(sizeof *s);
+    fake_stream *s = calloc(1, sizeof *s);
     if (!s)
         return 2;
     s->dev = current->dev;
+    pthread_mutex_init(&s->mu, NULL);
     *stream = s;
     return OK;
+}
+
+/* Run the stream's queued copies up to `upto`, in order. */
+static void run_until(fake_stream *s, size_t upto)
+{
+    pthread_mutex_lock(&s->mu);
+    for (; s->done < upto && s->done < s->n; s->done++) {
+        fake_copy *c = &s->q[s->done];
+        memmove(cpu_view(c->dst), cpu_view(c->src), c->len);
+    }
+    pthread_mutex_unlock(&s->mu);
 }
 
 int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t len, void *stream)
 {
     if (!need_ctx("cuMemcpyAsync"))
         return E_INVALID_CONTEXT;
-    if (((fake_stream *)stream)->dev != current->dev) {
+    fake_stream *s = stream;
+    if (s->dev != current->dev) {
         note("wrongdevice cuMemcpyAsync");
         return E_INVALID_HANDLE;
     }
-    memmove(cpu_view(dst), cpu_view(src), len);
+    if (!lazy()) {
+        memmove(cpu_view(dst), cpu_view(src), len);
+        return OK;
+    }
+    pthread_mutex_lock(&s->mu);
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 64;
+        fake_copy *q = realloc(s->q, cap * sizeof *q);
+        if (!q) {
+            pthread_mutex_unlock(&s->mu);
+            return 2;
+        }
+        s->q = q;
+        s->cap = cap;
+    }
+    s->q[s->n++] = (fake_copy){dst, src, len};
+    pthread_mutex_unlock(&s->mu);
     return OK;
 }
 
 int cuStreamSynchronize(void *stream)
 {
-    (void)stream;
-    return need_ctx("cuStreamSynchronize") ? OK : E_INVALID_CONTEXT;
+    if (!need_ctx("cuStreamSynchronize"))
+        return E_INVALID_CONTEXT;
+    run_until(stream, (size_t)-1);
+    return OK;
+}
+
+int cuStreamDestroy_v2(void *stream)
+{
+    fake_stream *s = stream;
+    run_until(s, (size_t)-1); /* queued work still completes */
+    pthread_mutex_destroy(&s->mu);
+    free(s->q);
+    free(s);
+    return OK;
+}
+
+int cuEventCreate(void **ev, unsigned int flags)
+{
+    (void)flags;
+    if (!need_ctx("cuEventCreate"))
+        return E_INVALID_CONTEXT;
+    fake_event *e = calloc(1, sizeof *e);
+    if (!e)
+        return 2;
+    e->dev = current->dev;
+    *ev = e;
+    return OK;
+}
+
+int cuEventRecord(void *ev, void *stream)
+{
+    fake_event *e = ev;
+    fake_stream *s = stream;
+    if (!need_ctx("cuEventRecord"))
+        return E_INVALID_CONTEXT;
+    if (s->dev != e->dev || s->dev != current->dev) {
+        note("wrongdevice cuEventRecord");
+        return E_INVALID_HANDLE;
+    }
+    pthread_mutex_lock(&s->mu);
+    e->s = s;
+    e->upto = s->n;
+    pthread_mutex_unlock(&s->mu);
+    return OK;
+}
+
+int cuEventQuery(void *ev)
+{
+    fake_event *e = ev;
+    if (!e->s)
+        return OK;
+    pthread_mutex_lock(&e->s->mu);
+    int ready = e->s->done >= e->upto;
+    pthread_mutex_unlock(&e->s->mu);
+    return ready ? OK : 600; /* CUDA_ERROR_NOT_READY */
+}
+
+int cuEventSynchronize(void *ev)
+{
+    fake_event *e = ev;
+    if (e->s)
+        run_until(e->s, e->upto);
+    return OK;
+}
+
+int cuEventDestroy_v2(void *ev)
+{
+    free(ev);
+    return OK;
 }

@@ -153,11 +153,13 @@ static int load(void)
     void **vmm_fields[] = {(void **)&cu.mem_retain_handle, (void **)&cu.mem_release, (void **)&cu.mem_export,
                            (void **)&cu.mem_import, (void **)&cu.mem_reserve, (void **)&cu.mem_address_free,
                            (void **)&cu.mem_map, (void **)&cu.mem_unmap, (void **)&cu.mem_set_access};
-    const char *opt_names[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuEventDestroy_v2",
-                               "cuStreamDestroy_v2", "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel"};
+    const char *opt_names[] = {"cuEventCreate", "cuEventRecord", "cuEventSynchronize",
+                               "cuEventDestroy_v2", "cuStreamDestroy_v2", "cuModuleLoadData", "cuModuleGetFunction",
+                               "cuLaunchKernel"};
     void **opt_fields[] = {(void **)&cu.event_create, (void **)&cu.event_record, (void **)&cu.event_synchronize,
-                           (void **)&cu.event_destroy, (void **)&cu.stream_destroy, (void **)&cu.module_load_data,
-                           (void **)&cu.module_get_function, (void **)&cu.launch_kernel};
+                           (void **)&cu.event_destroy, (void **)&cu.stream_destroy,
+                           (void **)&cu.module_load_data, (void **)&cu.module_get_function,
+                           (void **)&cu.launch_kernel};
     for (size_t i = 0; i < sizeof opt_names / sizeof *opt_names; i++)
         *opt_fields[i] = dlsym(cu.lib, opt_names[i]);
     if (!cu.event_create || !cu.event_record || !cu.event_synchronize)
@@ -457,10 +459,12 @@ static void *copy_kernel(int device)
     return k;
 }
 
-/* In auto mode, runs of at least this many bytes go to the copy engines (the driver's batch):
- * on the H200 the kernel gathered 16 KiB blocks faster than the batch (paged KV, 1024 blocks a
- * call: 10.2 against 8.0 GB/s written) and 64 KiB blocks slower (11.7 against 18.7). */
-#define FMC_KERNEL_MAX_RUN (64u << 10)
+/* In auto mode, runs of at least this many bytes go to the copy engines (the driver's batch).
+ * On the H200 (two processes on one GPU, pipelined staging, 1024 blocks a call, GPU to GPU):
+ * 16 KiB blocks at random ids moved faster through the kernel from one caller (13.7 against
+ * 9.7 GB/s written) though slower from 10 (8.3 against 11.3); 32 KiB blocks moved faster
+ * through the batch from one caller and from 10 (15.6 against 12.2, 14.5 against 11.9). */
+#define FMC_KERNEL_MAX_RUN (32u << 10)
 
 typedef struct {
     uint64_t dst, src, len;
@@ -560,6 +564,53 @@ int fmc_cuda_wait(int device)
     return cu.stream_synchronize(stream) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
 }
 
+/* Fences: an event recorded behind this thread's copies so far, so that a pipeline can queue
+ * the next copies and wait for the earlier ones only.  A wait is cuEventSynchronize on an event
+ * made without CU_EVENT_BLOCKING_SYNC, which the driver polls.  On the H200 (1 MiB blocks, GPU
+ * to GPU written) blocking events, woken by an interrupt, moved 10.8 GB/s; polling cuEventQuery
+ * from the waiting threads, 13.4; this, 19.0.  Without events, a fence is a synchronise of the
+ * thread's stream on that device (it holds this thread's copies only). */
+#define CU_EVENT_DISABLE_TIMING 0x2
+
+int fmc_cuda_fence_record(fmc_fence *f, int device)
+{
+    void *stream = stream_of(device);
+    f->armed = 0;
+    if (!stream)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    if (f->ev && f->dev != device)
+        fmc_cuda_fence_free(f);
+    if (!f->ev && cu.event_create && cu.event_create(&f->ev, CU_EVENT_DISABLE_TIMING) != 0)
+        f->ev = NULL;
+    f->dev = device;
+    if (f->ev && cu.event_record(f->ev, stream) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    f->armed = 1;
+    return FMC_OK;
+}
+
+int fmc_cuda_fence_wait(fmc_fence *f)
+{
+    if (!f->armed)
+        return FMC_OK;
+    f->armed = 0;
+    if (!f->ev) {
+        void *stream = stream_of(f->dev);
+        return stream && cu.stream_synchronize(stream) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+    }
+    if (use_device(f->dev) != 0)
+        return FMC_ERR_DEVICE_NOT_FOUND;
+    return cu.event_synchronize(f->ev) == 0 ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND;
+}
+
+void fmc_cuda_fence_free(fmc_fence *f)
+{
+    if (f->ev && cu.event_destroy && use_device(f->dev) == 0)
+        cu.event_destroy(f->ev);
+    f->ev = NULL;
+    f->armed = 0;
+}
+
 int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
 {
     int rc = fmc_cuda_copy_async(dst, src, len, device);
@@ -570,7 +621,7 @@ int fmc_cuda_copy(uint64_t dst, uint64_t src, size_t len, int device)
 /* Host staging memory for `device`'s copies: pinned when CUDA is there (faster copies), under
  * that device's context (never another's) and portable, so that a buffer reused for another
  * device's copies stays pinned for it; plain memory otherwise. */
-static void *staging_alloc(size_t len, int device, int *pinned)
+void *fmc_staging_alloc(size_t len, int device, int *pinned)
 {
     *pinned = 0;
     if (device >= 0 && fmc_cuda_available() && use_device(device) == 0) {
@@ -583,7 +634,7 @@ static void *staging_alloc(size_t len, int device, int *pinned)
     return malloc(len);
 }
 
-static void staging_free(void *p, int pinned, int device)
+void fmc_staging_free(void *p, int pinned, int device)
 {
     if (!p)
         return;
@@ -601,8 +652,8 @@ int fmc_staging_reserve(fmc_staging *s, size_t len, int device)
 {
     if (s->cap >= len)
         return 0;
-    staging_free(s->buf, s->pinned, s->device);
-    s->buf = staging_alloc(len, device, &s->pinned);
+    fmc_staging_free(s->buf, s->pinned, s->device);
+    s->buf = fmc_staging_alloc(len, device, &s->pinned);
     s->device = device;
     s->cap = s->buf ? len : 0;
     return s->buf ? 0 : -1;
@@ -610,7 +661,7 @@ int fmc_staging_reserve(fmc_staging *s, size_t len, int device)
 
 void fmc_staging_release(fmc_staging *s)
 {
-    staging_free(s->buf, s->pinned, s->device);
+    fmc_staging_free(s->buf, s->pinned, s->device);
     s->buf = NULL;
     s->cap = 0;
 }

@@ -168,6 +168,13 @@ int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
     return submit(p, opcode, n, local, remote, lens, out, -1, NULL);
 }
 
+/* Bytes per slice of a task: slice_size, but at most one staging chunk where the local side is
+ * GPU memory, so that each such slice is staged in one chunk (fmc_stage_pool.c). */
+static uint64_t slice_bytes(const fmc_peer *p, int32_t local_dev)
+{
+    return local_dev >= 0 && p->slice_size > FMC_STAGE_CHUNK ? FMC_STAGE_CHUNK : p->slice_size;
+}
+
 /* inline_deadline_ms >= 0: the caller waits for the batch (fmc_transfer), so a small one may be
  * sent from its thread (FMC_INLINE_NOWAIT: as far as it goes without blocking); with `receiving` also set, a write's caller may read its own answers
  * (*receiving: the stream whose receive side it then owns, see fmc_stream_caller_receive). */
@@ -212,7 +219,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
     }
     uint64_t total = 0;
     for (int i = 0; i < n; i++) {
-        nslices += (lens[i] + p->slice_size - 1) / p->slice_size;
+        nslices += (lens[i] + slice_bytes(p, ldev[i]) - 1) / slice_bytes(p, ldev[i]);
         total += lens[i];
     }
     if (p->sh) {
@@ -245,14 +252,15 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
     int k = 0;
     for (int i = 0; i < n; i++) {
         b->task_status[i] = lens[i] ? FMC_TASK_PENDING : FMC_OK;
-        for (uint64_t off = 0; off < lens[i]; off += p->slice_size) {
+        uint64_t ss = slice_bytes(p, ldev[i]);
+        for (uint64_t off = 0; off < lens[i]; off += ss) {
             fmc_slice *s = &b->slices[k];
             s->id = first_id + (uint64_t)k++;
             s->batch = b;
             s->task = i;
             s->local = local[i] + off;
             s->remote = remote[i] + off;
-            s->len = lens[i] - off < p->slice_size ? lens[i] - off : p->slice_size;
+            s->len = lens[i] - off < ss ? lens[i] - off : ss;
             s->key = keys[i];
             s->local_dev = ldev[i];
             b->task_remaining[i]++;

@@ -28,6 +28,7 @@ void fmc_options_default(fmc_options *o)
     o->spin_us = 30;
     o->copy_threads = 0;
     o->zerocopy = 1;
+    o->gpu_staging = 64u << 20;
 }
 
 int fmc_engine_create(const char *bind_host, int port_min, int port_max, const fmc_options *opts,
@@ -59,6 +60,7 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
     }
     if (e->opts.copy_threads > FMC_SH_WORDS_PER_PEER)
         e->opts.copy_threads = FMC_SH_WORDS_PER_PEER;
+    fmc_stage_pool_init(&e->stage, e->opts.gpu_staging);
     fmc_sh_engine_init(e); /* optional: without it peers use TCP */
     int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);
     if (fd < 0) {
@@ -129,6 +131,7 @@ void fmc_engine_destroy(fmc_engine *e)
         pthread_cond_wait(&e->cv, &e->mu);
     pthread_mutex_unlock(&e->mu);
     fmc_registry_free(&e->reg);
+    fmc_stage_pool_free(&e->stage);
     fmc_sh_engine_free(e);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->log_mu);

@@ -488,11 +488,10 @@ void fmc_peer_release(fmc_peer *p)
         return;
     fmc_peer_close(p);
     for (int i = 0; i < p->nstreams; i++) {
-        fmc_staging_release(&p->streams[i].send_stage);
+        for (int f = 0; f < FMC_STAGE_DEPTH; f++)
+            fmc_cuda_fence_free(&p->streams[i].send_fence[f]);
         free(p->streams[i].scratch);
         fmc_zc_pipe_close(p->streams[i].zc_pipe);
-        fmc_staging_release(&p->streams[i].recv_stage);
-        fmc_staging_release(&p->streams[i].recv_stage2);
         fmc_reader_free(&p->streams[i].rd);
         if (p->streams[i].wake_fd >= 0)
             close(p->streams[i].wake_fd);

@@ -97,6 +97,7 @@ static void release_held(fmc_conn_state *cs)
 }
 
 static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
+static void push_header(fmc_conn_state *cs, uint64_t id, int32_t status, uint64_t len, uint32_t flags);
 
 /* Take a read answer of `bytes` from host regions `regs` (NULLs skipped) into the zero-copy
  * ledger; 0 (copy it instead) when the connection does not do zero-copy answers, the answer is
@@ -218,93 +219,178 @@ static int send_answers(fmc_conn_state *cs)
     return rc;
 }
 
-/* Send what is queued now (pins stay until the flush): room for a run's answers. */
-static int send_queued(fmc_conn_state *cs)
+/* Send what is queued now, then release what the queued answers needed: the read pins and the
+ * staging chunks they pointed into.  The held pin and the counters wait for a flush. */
+static int send_out(fmc_conn_state *cs)
 {
-    int rc = send_answers(cs);
-    cs->niov = cs->nhdr = 0;
+    int rc = cs->broken ? -1 : send_answers(cs);
+    for (int i = 0; i < cs->nread_pins; i++)
+        unpin(cs, cs->read_pins[i]);
+    for (int i = 0; i < cs->nattached; i++)
+        fmc_stage_put(&cs->e->stage, cs->attached[i]);
+    cs->niov = cs->nhdr = cs->nread_pins = cs->nattached = 0;
     cs->out_bytes = 0;
     return rc;
 }
 
-/* Answer the writes of the run in flight once its copy has landed. */
-static void land_flying(fmc_conn_state *cs)
+static void queue_vector_answer(fmc_conn_state *cs, uint64_t id, int n, int failed, uint64_t len, int zc);
+
+/* A copy to or from GPU memory failed (the device is gone, or its context broken): the bytes
+ * of that request cannot be trusted, so the connection goes (the initiator fails what it had in
+ * flight), logged once. */
+static void gpu_broken(fmc_conn_state *cs)
 {
-    fmc_gpu_run *f = &cs->gpu_flying;
-    if (!f->n)
-        return;
-    int rc = fmc_cuda_wait(f->dev);
-    unpin(cs, f->region);
-    if (rc == FMC_OK)
-        cs->served_in += f->len;
-    int n = f->n;
-    f->n = 0;
-    if (cs->niov + n + 2 > FMC_IOV_MAX)
-        send_queued(cs); /* a failure shows at the next send */
-    for (int i = 0; i < n; i++)
-        push_answer(cs, f->ids[i], rc == FMC_OK ? FMC_OK : FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
+    if (!cs->broken)
+        fmc_engine_log(cs->e, "dropped a data connection: a copy between GPU memory and staging failed");
+    cs->broken = 1;
 }
 
-/* Land the run in flight, then start the open run's copy: it becomes the one in flight. */
-static void launch_open(fmc_conn_state *cs)
+/* The oldest piece in the pipeline lands: its fence is waited for; a write's pins and chunk go
+ * and, at its request's last piece, the answer is queued; a read's header (first piece) and
+ * payloads are queued, its chunk kept until they are sent. */
+static void land_oldest(fmc_conn_state *cs)
 {
-    fmc_gpu_run *o = &cs->gpu_open;
-    if (!o->n)
-        return;
-    land_flying(cs);
-    const fmc_staging *st = o->in_stage2 ? &cs->stage2 : &cs->stage;
-    if (fmc_cuda_copy_async(o->addr, (uint64_t)(uintptr_t)st->buf, (size_t)o->len, o->dev) != FMC_OK) {
-        unpin(cs, o->region);
-        for (int i = 0; i < o->n; i++)
-            push_answer(cs, o->ids[i], FMC_ERR_DEVICE_NOT_FOUND, NULL, 0);
-        o->n = 0;
+    fmc_landing *l = &cs->land[cs->land_head];
+    cs->land_head = (cs->land_head + 1) % FMC_LANDINGS;
+    cs->land_count--;
+    if (l->failed || fmc_cuda_fence_wait(&l->fence) != FMC_OK)
+        gpu_broken(cs);
+    if (cs->broken) { /* nothing more is answered on this connection */
+        for (int i = 0; i < l->npins; i++)
+            unpin(cs, l->pins[i]);
+        fmc_stage_put(&cs->e->stage, l->chunk);
+        l->chunk = NULL;
         return;
     }
-    cs->gpu_flying = *o;
-    o->n = 0;
+    if (cs->niov + l->nparts + 3 > FMC_IOV_MAX || cs->nhdr + 1 >= FMC_IOV_MAX ||
+        cs->nread_pins + l->npins > FMC_IOV_MAX || cs->nattached == FMC_STAGE_DEPTH)
+        send_out(cs); /* a failure shows at the next send */
+    if (!l->is_read) {
+        for (int i = 0; i < l->npins; i++)
+            unpin(cs, l->pins[i]);
+        fmc_stage_put(&cs->e->stage, l->chunk);
+        cs->served_in += l->gpu_bytes;
+        if (l->last && l->vec_n)
+            queue_vector_answer(cs, l->id, l->vec_n, l->vec_failed, 0, 0);
+        else if (l->last)
+            push_answer(cs, l->id, FMC_OK, NULL, 0);
+    } else {
+        if (l->first && l->vec_n)
+            queue_vector_answer(cs, l->id, l->vec_n, l->vec_failed, l->ans_len, 0);
+        else if (l->first)
+            push_header(cs, l->id, FMC_OK, l->ans_len, 0);
+        for (int i = 0; i < l->nparts; i++)
+            push_payload(cs, l->parts[i].iov_base, l->parts[i].iov_len, 0);
+        for (int i = 0; i < l->npins; i++) {
+            if (l->pins[i]->cuda_dev >= 0)
+                unpin(cs, l->pins[i]); /* staged: the answer no longer reads it */
+            else
+                cs->read_pins[cs->nread_pins++] = l->pins[i]; /* sent from in place */
+        }
+        cs->attached[cs->nattached++] = l->chunk;
+    }
+    l->chunk = NULL;
 }
 
-/* Every GPU write received so far landed and answered: answers keep request order, so this runs
- * before any other answer is queued, and before a flush. */
-static void finish_gpu_writes(fmc_conn_state *cs)
+/* Every piece in the pipeline landed, its answers queued: answers keep request order, so this
+ * runs before any other answer is queued, and before a flush. */
+static void land_all(fmc_conn_state *cs)
 {
-    launch_open(cs);
-    land_flying(cs);
+    while (cs->land_count)
+        land_oldest(cs);
 }
 
-/* A write into GPU memory.  It joins the open run when its destination follows the run's (a
- * paged KV layout often does), so that one copy serves many writes; otherwise the open run's
- * copy starts and this write opens the next run in the other staging buffer, received while
- * that copy runs.  Returns -1 on a broken connection. */
+/* A staging chunk of class `cls` for a piece on `dev`: the connection holds at most
+ * FMC_STAGE_DEPTH (in the pipeline or under queued answers); at that many, or with none free in
+ * the pool, queued answers are sent, else the oldest piece lands, and the chunk is asked for
+ * again.  Only a connection that holds none waits for the pool.  NULL: cut, or no memory. */
+static fmc_chunk *conn_chunk(fmc_conn_state *cs, int cls, int dev)
+{
+    for (;;) {
+        int held = cs->land_count + cs->nattached;
+        if (held < FMC_STAGE_DEPTH) {
+            fmc_chunk *k = fmc_stage_get(&cs->e->stage, cls, dev, held ? 0 : -1, &cs->c->cut);
+            if (k || !held)
+                return k;
+        }
+        if (cs->nattached) {
+            if (send_out(cs) < 0)
+                return NULL;
+        } else {
+            land_oldest(cs);
+        }
+    }
+}
+
+/* The next slot of the pipeline (conn_chunk left room), cleared. */
+static fmc_landing *land_slot(fmc_conn_state *cs, fmc_chunk *chunk, int dev, int is_read, uint64_t id)
+{
+    fmc_landing *l = &cs->land[(cs->land_head + cs->land_count) % FMC_LANDINGS];
+    cs->land_count++;
+    l->chunk = chunk;
+    l->dev = dev;
+    l->is_read = is_read;
+    l->id = id;
+    l->first = l->last = l->failed = l->vec_n = l->vec_failed = 0;
+    l->ans_len = l->gpu_bytes = 0;
+    l->npins = l->nparts = 0;
+    return l;
+}
+
+/* A single write into GPU memory: received piece by piece into staging chunks, each copied to
+ * the GPU while the next arrives; answered once its last piece landed.  -1 on a broken
+ * connection (r unpinned). */
 static int receive_into_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len)
 {
-    fmc_gpu_run *o = &cs->gpu_open;
-    fmc_staging *st = o->in_stage2 ? &cs->stage2 : &cs->stage;
-    if (o->n && r == o->region && addr == o->addr + o->len && o->n < FMC_GPU_RUN_MAX && o->len + len <= st->cap) {
-        int rc = fmc_reader_read_into(&cs->rd, st->buf + o->len, (size_t)len);
-        unpin(cs, r); /* the run's first pin holds the region */
-        if (rc < 0)
+    for (uint64_t off = 0; off < len;) {
+        size_t piece = len - off < FMC_STAGE_CHUNK ? (size_t)(len - off) : FMC_STAGE_CHUNK;
+        fmc_chunk *k = conn_chunk(cs, FMC_STAGE_RECV, r->cuda_dev);
+        if (!k || fmc_reader_read_into(&cs->rd, k->buf, piece) < 0) {
+            fmc_stage_put(&cs->e->stage, k);
+            unpin(cs, r);
             return -1;
-        o->ids[o->n++] = id;
-        o->len += len;
-        return 0;
+        }
+        fmc_landing *l = land_slot(cs, k, r->cuda_dev, 0, id);
+        l->failed = fmc_cuda_copy_async(addr + off, (uint64_t)(uintptr_t)k->buf, piece, r->cuda_dev) != FMC_OK ||
+                    fmc_cuda_fence_record(&l->fence, r->cuda_dev) != FMC_OK;
+        l->gpu_bytes = piece;
+        off += piece;
+        l->last = off == len;
+        if (l->last)
+            l->pins[l->npins++] = r; /* held until the last piece landed */
     }
-    launch_open(cs);
-    int use2 = cs->gpu_flying.n && !cs->gpu_flying.in_stage2;
-    st = use2 ? &cs->stage2 : &cs->stage;
-    if (fmc_staging_reserve(st, len > FMC_GPU_RUN_BYTES ? (size_t)len : FMC_GPU_RUN_BYTES, r->cuda_dev) != 0 ||
-        fmc_reader_read_into(&cs->rd, st->buf, (size_t)len) < 0) {
-        unpin(cs, r);
-        return -1;
+    return 0;
+}
+
+/* A single read from GPU memory: gathered piece by piece into staging chunks, each queued as
+ * part of the answer once landed, while the next pieces' copies run.  -1 if it cannot go on. */
+static int send_from_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len)
+{
+    for (uint64_t off = 0; off < len;) {
+        size_t piece = len - off < FMC_STAGE_CHUNK ? (size_t)(len - off) : FMC_STAGE_CHUNK;
+        fmc_chunk *k = conn_chunk(cs, FMC_STAGE_SEND, r->cuda_dev);
+        if (!k) {
+            unpin(cs, r);
+            return -1;
+        }
+        fmc_landing *l = land_slot(cs, k, r->cuda_dev, 1, id);
+        l->failed = fmc_cuda_copy_async((uint64_t)(uintptr_t)k->buf, addr + off, piece, r->cuda_dev) != FMC_OK ||
+                    fmc_cuda_fence_record(&l->fence, r->cuda_dev) != FMC_OK;
+        l->first = off == 0;
+        l->ans_len = len;
+        l->parts[l->nparts++] = (struct iovec){.iov_base = k->buf, .iov_len = piece};
+        off += piece;
+        l->last = off == len;
+        if (l->last)
+            l->pins[l->npins++] = r;
     }
-    *o = (fmc_gpu_run){.n = 1, .in_stage2 = use2, .dev = r->cuda_dev, .addr = addr, .len = len, .region = r};
-    o->ids[0] = id;
+    cs->served_out += len;
     return 0;
 }
 
 static int flush(fmc_conn_state *cs)
 {
-    finish_gpu_writes(cs);
+    land_all(cs);
     /* Counted before the answers leave, so an initiator that has its answer sees the counters
      * include it (tests and metrics read them right after a call returns). */
     if (cs->requests | cs->served_in | cs->served_out) {
@@ -315,13 +401,9 @@ static int flush(fmc_conn_state *cs)
         cs->e->stat_zc_answers += cs->zc_answered;
         cs->served_in = cs->served_out = cs->requests = cs->vectors_answered = cs->zc_answered = 0;
     }
-    int rc = send_answers(cs);
-    for (int i = 0; i < cs->nread_pins; i++)
-        unpin(cs, cs->read_pins[i]);
+    int rc = send_out(cs);
     release_held(cs); /* last: the uses above were counted against it */
-    cs->niov = cs->nhdr = cs->nread_pins = 0;
-    cs->out_bytes = 0;
-    return rc;
+    return rc < 0 || cs->broken ? -1 : rc;
 }
 
 /* pin, unpin and flush for Mooncake's framing (fmc_mooncake.c); the native loop calls the
@@ -337,7 +419,7 @@ int fmc_conn_flush(fmc_conn_state *cs) { return flush(cs); }
 
 static void queue_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
-    finish_gpu_writes(cs); /* earlier GPU writes answer first */
+    land_all(cs); /* earlier GPU requests answer first */
     push_answer(cs, id, status, data, len);
 }
 
@@ -362,7 +444,7 @@ static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *d
 /* A successful read from host region r, zero-copy when the ledger takes it. */
 static void queue_read_answer(fmc_conn_state *cs, uint64_t id, fmc_region *r, uint64_t addr, uint64_t len)
 {
-    finish_gpu_writes(cs);
+    land_all(cs);
     cs->read_pins[cs->nread_pins++] = r;
     int zc = zc_claim(cs, &r, 1, len);
     push_header(cs, id, FMC_OK, len, zc ? FMC_RESP_ZC : 0);
@@ -497,59 +579,142 @@ static void queue_vector_answer(fmc_conn_state *cs, uint64_t id, int n, int fail
     }
 }
 
-/* Copies between the staging buffer and a vector's GPU entries (reg[i] a GPU region), grouped
- * by device: to the GPU (`to_gpu`, from stage[i]) or from it (into stage[i]), as one gather per
- * device, then waited for (this thread's copies only). */
-static int stage_copy(fmc_conn_state *cs, fmc_region **reg, const uint64_t *addr, const uint64_t *len,
-                      void *const *stage, int n, int to_gpu)
+/* The end of the piece of a vector's entries that starts at `i`: entries up to the next GPU
+ * entry that would not fit in one chunk or lies on another device (host entries ride along);
+ * *dev gets the piece's device. */
+static int piece_end(fmc_region *const *reg, const uint64_t *len, int i, int n, int *dev)
 {
-    uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX];
-    size_t sz[FMC_VEC_MAX];
-    int mode = cs->stage.pinned ? cs->e->opts.gpu_copy : FMC_GPU_COPY_BATCH;
-    int rc = FMC_OK;
-    uint64_t devices = 0;
-    for (int i = 0, m = 0, dev = -1; i <= n; i++) {
-        int d = i < n ? (reg[i] ? reg[i]->cuda_dev : -1) : -2;
-        if (i < n && d < 0)
+    uint64_t staged = 0;
+    *dev = -1;
+    for (; i < n; i++) {
+        if (!reg[i] || reg[i]->cuda_dev < 0)
             continue;
-        if (m > 0 && d != dev) {
-            if (fmc_cuda_gather_async(dst, src, sz, m, dev, mode) != FMC_OK)
-                rc = FMC_ERR_DEVICE_NOT_FOUND;
-            m = 0;
-        }
-        if (i == n)
+        if (*dev >= 0 && (reg[i]->cuda_dev != *dev || staged + len[i] > FMC_STAGE_CHUNK))
             break;
-        dev = d;
-        devices |= 1ull << (d & 63);
-        uint64_t staged = (uint64_t)(uintptr_t)stage[i];
-        dst[m] = to_gpu ? addr[i] : staged;
-        src[m] = to_gpu ? staged : addr[i];
-        sz[m++] = (size_t)len[i];
+        *dev = reg[i]->cuda_dev;
+        staged += len[i];
     }
-    for (int d = 0; d < 64; d++)
-        if (((devices >> d) & 1) && fmc_cuda_wait(d) != FMC_OK)
-            rc = FMC_ERR_DEVICE_NOT_FOUND;
-    return rc;
+    return i;
 }
 
-static int scatter_to_gpu(fmc_conn_state *cs, fmc_region **reg, const uint64_t *addr, const uint64_t *len,
-                          const struct iovec *iov, int n)
+/* Queue one gather (the copy kernel or the driver's batch, by gpu_copy) of a piece's GPU entries
+ * between GPU memory and the chunk, and fence it. */
+static void piece_copy(fmc_conn_state *cs, fmc_landing *l, uint64_t *dst, uint64_t *src, size_t *sz, int m)
 {
-    void *stage[FMC_VEC_MAX];
-    for (int i = 0; i < n; i++)
-        stage[i] = iov[i].iov_base;
-    return stage_copy(cs, reg, addr, len, stage, n, 1);
+    int mode = l->chunk->pinned ? cs->e->opts.gpu_copy : FMC_GPU_COPY_BATCH;
+    l->failed = fmc_cuda_gather_async(dst, src, sz, m, l->dev, mode) != FMC_OK ||
+                fmc_cuda_fence_record(&l->fence, l->dev) != FMC_OK;
 }
 
-static int gather_from_gpu(fmc_conn_state *cs, fmc_region **reg, const uint64_t *addr, const uint64_t *len,
-                           void *const *src, int n)
+/* A vector write with GPU entries, all its entries pinned or refused: piece by piece, the
+ * payloads are received with one scatter read (GPU entries side by side into a chunk, host
+ * entries in place, refused ones into the sink) and the chunk's copy to the GPU is queued while
+ * the next piece arrives.  Answered when its last piece has landed.  -1: connection broken. */
+static int vector_write_gpu(fmc_conn_state *cs, const fmc_req *q, int n, const uint64_t *addr, const uint64_t *len,
+                            fmc_region **reg, int failed, uint64_t ok_bytes)
 {
-    return stage_copy(cs, reg, addr, len, src, n, 0);
+    uint64_t host_bytes = ok_bytes;
+    for (int i = 0, j, dev; i < n; i = j) {
+        j = piece_end(reg, len, i, n, &dev);
+        fmc_chunk *k = conn_chunk(cs, FMC_STAGE_RECV, dev);
+        struct iovec iov[FMC_VEC_MAX];
+        uint8_t refused[FMC_VEC_MAX] = {0};
+        uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX], off = 0;
+        size_t sz[FMC_VEC_MAX];
+        int m = 0;
+        for (int e = i; k && e < j; e++) {
+            void *at = reg[e] ? (void *)(uintptr_t)addr[e] : cs->sink;
+            if (reg[e] && reg[e]->cuda_dev >= 0) {
+                at = k->buf + off;
+                dst[m] = addr[e];
+                src[m] = (uint64_t)(uintptr_t)at;
+                sz[m++] = (size_t)len[e];
+                off += len[e];
+            }
+            iov[e - i] = (struct iovec){.iov_base = at, .iov_len = (size_t)len[e]};
+        }
+        if (!k || fmc_reader_read_regions(&cs->rd, iov, j - i, refused) < 0) {
+            fmc_stage_put(&cs->e->stage, k);
+            for (int e = i; e < n; e++)
+                if (reg[e])
+                    unpin(cs, reg[e]);
+            return -1;
+        }
+        fmc_landing *l = land_slot(cs, k, dev, 0, q->id);
+        piece_copy(cs, l, dst, src, sz, m);
+        l->gpu_bytes = off;
+        host_bytes -= off;
+        for (int e = i; e < j; e++) {
+            if (!reg[e])
+                continue;
+            if (reg[e]->cuda_dev >= 0) {
+                l->pins[l->npins++] = reg[e]; /* until its copy landed */
+                continue;
+            }
+            unpin(cs, reg[e]);
+            if (refused[e - i]) {
+                refuse_protected(cs, addr[e], len[e]);
+                cs->vec_status[e] = FMC_ERR_REMOTE_REFUSED;
+                host_bytes -= len[e];
+                failed = 1;
+            }
+        }
+        l->last = j == n;
+        l->vec_n = n;
+        l->vec_failed = failed;
+    }
+    cs->served_in += host_bytes;
+    return failed;
+}
+
+/* A vector read with GPU entries: piece by piece, the GPU entries are gathered into a chunk and
+ * the piece's payloads (staged, or in place for host entries) queued once it landed, while the
+ * next pieces' gathers run.  -1 if it cannot go on. */
+static int vector_read_gpu(fmc_conn_state *cs, const fmc_req *q, int n, const uint64_t *addr, const uint64_t *len,
+                           fmc_region **reg, int failed, uint64_t ok_bytes)
+{
+    for (int i = 0, j, dev; i < n; i = j) {
+        j = piece_end(reg, len, i, n, &dev);
+        fmc_chunk *k = conn_chunk(cs, FMC_STAGE_SEND, dev);
+        if (!k) {
+            for (int e = i; e < n; e++)
+                if (reg[e])
+                    unpin(cs, reg[e]);
+            return -1;
+        }
+        fmc_landing *l = land_slot(cs, k, dev, 1, q->id);
+        uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX], off = 0;
+        size_t sz[FMC_VEC_MAX];
+        int m = 0;
+        for (int e = i; e < j; e++) {
+            if (!reg[e])
+                continue; /* refused: no payload */
+            void *from = (void *)(uintptr_t)addr[e];
+            if (reg[e]->cuda_dev >= 0) {
+                from = k->buf + off;
+                dst[m] = (uint64_t)(uintptr_t)from;
+                src[m] = addr[e];
+                sz[m++] = (size_t)len[e];
+                off += len[e];
+            }
+            l->parts[l->nparts++] = (struct iovec){.iov_base = from, .iov_len = (size_t)len[e]};
+            l->pins[l->npins++] = reg[e];
+        }
+        piece_copy(cs, l, dst, src, sz, m);
+        l->gpu_bytes = off;
+        l->first = i == 0;
+        l->last = j == n;
+        l->vec_n = n;
+        l->vec_failed = failed;
+        l->ans_len = ok_bytes;
+    }
+    cs->served_out += ok_bytes;
+    return failed;
 }
 
 /* A vector request (fmc_wire.h): every entry is checked and pinned like a single request, then
  * a write's payloads are received with one scatter read straight into place and a read's are
- * sent with the answer's gather.  GPU entries go one by one through the staging buffer.
+ * sent with the answer's gather; GPU entries go through staging chunks, pipelined (above).
  * Returns -1 to drop the connection. */
 static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
 {
@@ -561,15 +726,14 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
         return -1;
     }
     /* Room for the answer and its pins (reads), taken before anything is pinned. */
-    if ((cs->niov + n + 3 > FMC_IOV_MAX || cs->nread_pins + n > FMC_IOV_MAX || cs->c->npins + n >= FMC_MAX_PINS ||
-         cs->gpu_open.n || cs->gpu_flying.n) &&
+    if ((cs->niov + n + 3 > FMC_IOV_MAX || cs->nread_pins + n > FMC_IOV_MAX || cs->c->npins + n >= FMC_MAX_PINS) &&
         flush(cs) < 0)
         return -1;
     if (fmc_reader_fill(&cs->rd, (size_t)n * FMC_VEC_ENTRY_SIZE) < 0)
         return -1;
     uint64_t addr[FMC_VEC_MAX], len[FMC_VEC_MAX], sum = 0, ok_bytes = 0, gpu_bytes = 0;
     fmc_region *reg[FMC_VEC_MAX];
-    int failed = 0, gpu_dev = -1; /* the first GPU entry's device: the staging buffer is pinned for it */
+    int failed = 0;
     const uint8_t *t = cs->rd.buf + cs->rd.start;
     for (int i = 0; i < n; i++, t += FMC_VEC_ENTRY_SIZE) {
         uint32_t key = fmc_get32(t);
@@ -588,11 +752,8 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
             continue;
         }
         ok_bytes += len[i];
-        if (reg[i]->cuda_dev >= 0) {
+        if (reg[i]->cuda_dev >= 0)
             gpu_bytes += len[i];
-            if (gpu_dev < 0)
-                gpu_dev = reg[i]->cuda_dev;
-        }
     }
     int parsed = (int)((t - (cs->rd.buf + cs->rd.start)) / FMC_VEC_ENTRY_SIZE);
     cs->rd.start += (size_t)n * FMC_VEC_ENTRY_SIZE;
@@ -607,36 +768,30 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
     int rc = 0;
     if (is_write && ok_bytes && initiator_gave_up(cs, q->len))
         rc = -1; /* its payloads may be zero-copy from pages the initiator reuses: drop them */
+    if (rc == 0 && is_write && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
+        rc = -1;
+    if (rc < 0) {
+        for (int i = 0; i < n; i++)
+            if (reg[i])
+                unpin(cs, reg[i]);
+        return -1;
+    }
+    if (gpu_bytes) {
+        failed = is_write ? vector_write_gpu(cs, q, n, addr, len, reg, failed, ok_bytes)
+                          : vector_read_gpu(cs, q, n, addr, len, reg, failed, ok_bytes);
+        if (failed < 0)
+            return -1;
+        /* Entry statuses live in a per-connection buffer: sent before the next vector. */
+        return failed && flush(cs) < 0 ? -1 : 0;
+    }
+    land_all(cs); /* earlier GPU requests answer first */
     if (is_write) {
         struct iovec iov[FMC_VEC_MAX];
-        if (rc == 0 && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
-            rc = -1;
         uint8_t refused[FMC_VEC_MAX] = {0}; /* destinations the kernel refused to write */
-        /* GPU destinations' payloads land side by side in the staging buffer, everything else
-         * in place, all by one scatter read; then one gather copy puts the staged ones in place
-         * and is waited for (this thread's copies only) before the answer is queued. */
-        if (rc == 0 && gpu_bytes && fmc_staging_reserve(&cs->stage, (size_t)gpu_bytes, gpu_dev) != 0)
-            rc = -1;
-        uint64_t off = 0;
-        for (int i = 0; rc == 0 && i < n; i++) {
-            void *at = reg[i] ? (void *)(uintptr_t)addr[i] : cs->sink;
-            if (reg[i] && reg[i]->cuda_dev >= 0) {
-                at = cs->stage.buf + off;
-                off += len[i];
-            }
-            iov[i] = (struct iovec){.iov_base = at, .iov_len = (size_t)len[i]};
-        }
-        if (rc == 0)
-            rc = fmc_reader_read_regions(&cs->rd, iov, n, refused);
-        if (rc == 0 && gpu_bytes && scatter_to_gpu(cs, reg, addr, len, iov, n) != FMC_OK) {
-            for (int i = 0; i < n; i++) {
-                if (reg[i] && reg[i]->cuda_dev >= 0) {
-                    cs->vec_status[i] = FMC_ERR_DEVICE_NOT_FOUND;
-                    ok_bytes -= len[i];
-                    failed = 1;
-                }
-            }
-        }
+        for (int i = 0; i < n; i++)
+            iov[i] = (struct iovec){.iov_base = reg[i] ? (void *)(uintptr_t)addr[i] : cs->sink,
+                                    .iov_len = (size_t)len[i]};
+        rc = fmc_reader_read_regions(&cs->rd, iov, n, refused);
         for (int i = 0; i < n; i++)
             if (reg[i])
                 unpin(cs, reg[i]);
@@ -653,47 +808,18 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
         cs->served_in += ok_bytes;
         queue_vector_answer(cs, q->id, n, failed, 0, 0);
     } else {
-        /* GPU sources are copied out first, into the staging buffer the answer then points at;
-         * nothing is queued until every source is in place. */
-        void *src[FMC_VEC_MAX];
-        size_t off = 0;
-        if (gpu_bytes && fmc_staging_reserve(&cs->stage, (size_t)gpu_bytes, gpu_dev) != 0)
-            rc = -1;
-        for (int i = 0; i < n; i++) {
-            src[i] = (void *)(uintptr_t)addr[i];
-            if (!reg[i] || reg[i]->cuda_dev < 0)
-                continue;
-            src[i] = rc == 0 ? cs->stage.buf + off : NULL;
-            off += len[i];
-        }
-        /* One gather of every GPU source into the staging buffer, waited for before the pins go. */
-        if (rc == 0 && gpu_bytes && gather_from_gpu(cs, reg, addr, len, src, n) != FMC_OK)
-            rc = -1;
-        for (int i = 0; gpu_bytes && i < n; i++) {
-            if (reg[i] && reg[i]->cuda_dev >= 0) {
-                unpin(cs, reg[i]);
-                reg[i] = NULL; /* staged: needs no pin any more */
-            }
-        }
-        if (rc < 0) {
-            for (int i = 0; i < n; i++)
-                if (reg[i])
-                    unpin(cs, reg[i]);
-            return -1;
-        }
-        int zc = !gpu_bytes && zc_claim(cs, reg, n, ok_bytes); /* staged sources are reused */
+        int zc = zc_claim(cs, reg, n, ok_bytes);
         queue_vector_answer(cs, q->id, n, failed, ok_bytes, zc);
         for (int i = 0; i < n; i++) {
             if (cs->vec_status[i] != FMC_OK)
                 continue;
-            if (reg[i])
-                cs->read_pins[cs->nread_pins++] = reg[i];
-            push_payload(cs, src[i], len[i], zc);
+            cs->read_pins[cs->nread_pins++] = reg[i];
+            push_payload(cs, (void *)(uintptr_t)addr[i], len[i], zc);
         }
         cs->served_out += ok_bytes;
     }
-    /* Statuses and staged bytes live in per-connection buffers: send them before they are reused. */
-    if ((failed || gpu_bytes) && flush(cs) < 0)
+    /* Statuses live in a per-connection buffer: send them before it is reused. */
+    if (failed && flush(cs) < 0)
         return -1;
     return 0;
 }
@@ -710,7 +836,7 @@ static void serve(fmc_conn_state *cs)
         fmc_mc_serve(cs);
         return;
     }
-    for (;;) {
+    while (!cs->broken) {
         if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
             int more = fmc_reader_try_more(&cs->rd);
             if (more < 0)
@@ -783,16 +909,7 @@ static void serve(fmc_conn_state *cs)
             if (rc == 0)
                 queue_answer(cs, q.id, r ? FMC_OK : FMC_ERR_REMOTE_REFUSED, NULL, 0);
         } else if (r && r->cuda_dev >= 0) {
-            /* A GPU source: stage it, answer now (the staging buffer serves one answer). */
-            if (flush(cs) < 0 || fmc_staging_reserve(&cs->stage, (size_t)q.len, r->cuda_dev) != 0 ||
-                fmc_cuda_copy((uint64_t)(uintptr_t)cs->stage.buf, q.addr, (size_t)q.len, r->cuda_dev) != FMC_OK) {
-                unpin(cs, r);
-                break;
-            }
-            unpin(cs, r);
-            queue_answer(cs, q.id, FMC_OK, cs->stage.buf, q.len);
-            cs->served_out += q.len;
-            if (flush(cs) < 0)
+            if (send_from_gpu(cs, r, q.id, q.addr, q.len) < 0)
                 break;
         } else if (r) {
             queue_read_answer(cs, q.id, r, q.addr, q.len);
@@ -861,8 +978,8 @@ static void *conn_main(void *arg)
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     fmc_reader_free(&cs->rd);
-    fmc_staging_release(&cs->stage);
-    fmc_staging_release(&cs->stage2);
+    for (int i = 0; i < FMC_LANDINGS; i++) /* serve() landed every piece and sent their answers */
+        fmc_cuda_fence_free(&cs->land[i].fence);
     fmc_zc_pipe_close(cs->zc_pipe);
     free(cs->sink);
     free(c);

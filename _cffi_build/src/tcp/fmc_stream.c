@@ -162,13 +162,13 @@ static int vectorizable(const fmc_peer *p, const fmc_slice *s)
     return p->vectors && s->len <= FMC_VEC_ENTRY_MAX;
 }
 
-/* How many slices from s on can form one vector, within this round's limits. */
-static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int nentries, size_t bytes)
+/* How many slices from s on can form one vector, within this round's limits (`limit` bytes). */
+static int vector_length(const fmc_peer *p, const fmc_slice *s, int niov, int nentries, size_t bytes, size_t limit)
 {
     int is_write = s->batch->opcode == FMC_OP_WRITE, k = 0;
     for (const fmc_slice *x = s; x && k < FMC_VEC_MAX && x->batch == s->batch && vectorizable(p, x); x = x->next) {
         if (nentries + k + 1 > FMC_IOV_MAX || (is_write && niov + 2 + k + 1 > FMC_IOV_MAX) ||
-            (k > 0 && bytes >= FMC_COALESCE_BYTES))
+            (k > 0 && bytes >= limit))
             break;
         if (is_write)
             bytes += x->len;
@@ -188,56 +188,140 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
     return FMC_REQ_SIZE;
 }
 
-/* GPU sources cannot go to sendmsg: copy them into the stream's host staging buffer and point
- * their iovecs there.  The round owns the staging buffer (sending_active). */
-static int stage_gpu_sources(fmc_stream *st, send_scratch *sc, int niov, int nw)
+/* A round's iovecs [from, to) leave: zero-copy where flagged, by the deadline where one is set. */
+static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_t deadline_ms)
 {
-    size_t need = 0;
-    int first_dev = -1;
-    for (int i = 0; i < nw; i++)
-        if (sc->writes[i]->local_dev >= 0) {
-            need += sc->writes[i]->len;
-            first_dev = first_dev < 0 ? sc->writes[i]->local_dev : first_dev;
-        }
-    if (!need)
+    if (to <= from)
         return 0;
-    if (fmc_staging_reserve(&st->send_stage, need, first_dev) != 0)
-        return -1;
-    /* Queue every copy of the round (runs of one device as one gather: the copy kernel or the
-     * driver's batch, contiguous sources merged into one copy, since the staging side is
-     * contiguous), then wait once per device used: for this thread's copies only. */
-    int mode = st->peer->engine->opts.gpu_copy;
-    if (!st->send_stage.pinned)
-        mode = FMC_GPU_COPY_BATCH; /* the kernel reaches pinned host memory only */
-    size_t off = 0;
-    int rc = 0, n = 0, run_dev = -1;
-    uint64_t devices = 0; /* bit per GPU ordinal < 64 that got copies */
+    struct iovec *iov = sc->iov + from;
+    int n = to - from, nzc = 0;
+    for (int i = from; i < to; i++)
+        nzc += sc->zc[i];
+    if (deadline_ms >= 0)
+        return fmc_sendv_deadline(st->fd, iov, n, deadline_ms);
+    return nzc && fmc_zc_enabled(st->peer->engine) ? fmc_sendv_zc(st->fd, iov, n, sc->zc + from, st->zc_pipe)
+                                                   : fmc_sendv_all(st->fd, iov, n);
+}
+
+/* A piece of a round in the send pipeline: iovecs [from, to), its GPU sources gathered into
+ * `chunk` behind `fence` (a slot of st->send_fence). */
+typedef struct {
+    int from, to;
+    fmc_chunk *chunk;
+    fmc_fence *fence;
+    int failed;
+} send_piece;
+
+/* Send round iovecs [0, niov) whose write payloads include GPU sources: they go through staging
+ * chunks as a pipeline.  The round is cut into pieces of at most one chunk of GPU bytes (one
+ * device each; headers and host payloads ride along); each piece's gather (the copy kernel or
+ * the driver's batch, by gpu_copy) is queued and fenced, up to FMC_STAGE_DEPTH pieces ahead, and
+ * the pieces leave in order, each once its fence is reached: the GPU gathers piece k+1 while
+ * piece k is on the wire.  The round owns st->send_fence (sending_active).  A send that holds no
+ * chunk waits for one (by the deadline, or until the stream dies); with some, it sends what it
+ * has first. */
+static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, int64_t deadline_ms)
+{
+    fmc_stage_pool *pool = &st->peer->engine->stage;
+    int gdev[FMC_IOV_MAX]; /* device of a GPU payload iovec, else -1 */
+    for (int v = 0; v < niov; v++)
+        gdev[v] = -1;
     for (int i = 0, v = 0; v < niov && i < nw; v++) {
         fmc_slice *s = sc->writes[i];
         if (sc->iov[v].iov_base != (void *)(uintptr_t)s->local || sc->iov[v].iov_len != s->len)
             continue; /* a header or a vector table */
-        if (s->local_dev >= 0) {
-            if (n > 0 && s->local_dev != run_dev) {
-                rc |= fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev, mode);
-                n = 0;
-            }
-            run_dev = s->local_dev;
-            uint8_t *dst = st->send_stage.buf + off;
-            sc->copy_dst[n] = (uint64_t)(uintptr_t)dst;
-            sc->copy_src[n] = s->local;
-            sc->copy_len[n++] = (size_t)s->len;
-            devices |= 1ull << (s->local_dev & 63);
-            sc->iov[v].iov_base = dst;
-            off += s->len;
-        }
+        gdev[v] = s->local_dev;
         i++;
     }
-    if (n > 0)
-        rc |= fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, n, run_dev, mode);
-    for (int d = 0; d < 64; d++)
-        if ((devices >> d) & 1)
-            rc |= fmc_cuda_wait(d);
-    return rc == 0 ? 0 : -1;
+    send_piece ring[FMC_STAGE_DEPTH];
+    int head = 0, count = 0, sent = 0, rc = 0, slot = 0;
+    for (int v = 0; v < niov && rc == 0;) {
+        /* The next piece: from v to just before the next GPU payload that does not fit. */
+        int dev = -1, to = v;
+        size_t staged = 0;
+        for (; to < niov; to++) {
+            if (gdev[to] < 0)
+                continue;
+            if (dev >= 0 && (gdev[to] != dev || staged + sc->iov[to].iov_len > FMC_STAGE_CHUNK))
+                break;
+            dev = gdev[to];
+            staged += sc->iov[to].iov_len;
+        }
+        if (dev < 0) { /* no GPU payload left: the rest goes after the pieces before it */
+            for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
+                send_piece *p = &ring[head];
+                rc = p->failed || fmc_cuda_fence_wait(p->fence) != FMC_OK ? -1 : send_range(st, sc, p->from, p->to, deadline_ms);
+                fmc_stage_put(pool, p->chunk);
+                sent = p->to;
+            }
+            if (rc == 0)
+                rc = send_range(st, sc, v, niov, deadline_ms);
+            sent = niov;
+            break;
+        }
+        fmc_chunk *k = NULL;
+        while (rc == 0 && !k) {
+            if (count < FMC_STAGE_DEPTH)
+                k = fmc_stage_get(pool, FMC_STAGE_SEND, dev, count ? 0 : deadline_ms, &st->dead);
+            if (k || rc != 0)
+                break;
+            if (!count) {
+                rc = deadline_ms >= 0 && fmc_now_ms() >= deadline_ms ? -2 : -1;
+                break;
+            }
+            send_piece *p = &ring[head]; /* send the oldest piece, then ask again */
+            rc = p->failed || fmc_cuda_fence_wait(p->fence) != FMC_OK ? -1 : send_range(st, sc, p->from, p->to, deadline_ms);
+            fmc_stage_put(pool, p->chunk);
+            sent = p->to;
+            head = (head + 1) % FMC_STAGE_DEPTH;
+            count--;
+        }
+        if (rc != 0)
+            break;
+        send_piece *p = &ring[(head + count) % FMC_STAGE_DEPTH];
+        *p = (send_piece){.from = v, .to = to, .chunk = k, .fence = &st->send_fence[slot]};
+        slot = (slot + 1) % FMC_STAGE_DEPTH;
+        int mode = k->pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
+        int m = 0;
+        size_t off = 0;
+        for (int x = v; x < to; x++) {
+            if (gdev[x] < 0)
+                continue;
+            sc->copy_dst[m] = (uint64_t)(uintptr_t)(k->buf + off);
+            sc->copy_src[m] = (uint64_t)(uintptr_t)sc->iov[x].iov_base;
+            sc->copy_len[m++] = sc->iov[x].iov_len;
+            sc->iov[x].iov_base = k->buf + off;
+            off += sc->iov[x].iov_len;
+        }
+        p->failed = fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, m, dev, mode) != FMC_OK ||
+                    fmc_cuda_fence_record(p->fence, dev) != FMC_OK;
+        count++;
+        v = to;
+        if (to == niov) { /* the last piece: send everything in order */
+            for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
+                send_piece *q = &ring[head];
+                rc = q->failed || fmc_cuda_fence_wait(q->fence) != FMC_OK ? -1 : send_range(st, sc, q->from, q->to, deadline_ms);
+                fmc_stage_put(pool, q->chunk);
+                sent = q->to;
+            }
+        }
+    }
+    /* Stopped early: no copy may still write a chunk that goes back to the pool. */
+    for (; count; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
+        fmc_cuda_fence_wait(ring[head].fence);
+        fmc_stage_put(pool, ring[head].chunk);
+    }
+    (void)sent;
+    return rc;
+}
+
+/* A round's iovecs [0, niov) leave: straight from the caller's memory, or through the staging
+ * pipeline where write payloads include GPU sources. */
+static int send_round_iov(fmc_stream *st, send_scratch *sc, int niov, int nw, int gpu, int64_t deadline_ms)
+{
+    if (gpu)
+        return send_gpu_round(st, sc, niov, nw, deadline_ms);
+    return send_range(st, sc, 0, niov, deadline_ms);
 }
 
 /* One send round: gather queued slices (and owed acknowledgements) into one sendmsg and send
@@ -262,10 +346,16 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->iov[niov++] = (struct iovec){.iov_base = sc->ack, .iov_len = FMC_REQ_SIZE};
     }
     fmc_slice *first_sent = st->pending.head;
-    while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < FMC_COALESCE_BYTES || niov == 0)) {
+    /* A round of GPU sources is longer: its staging pipeline runs FMC_STAGE_DEPTH pieces ahead
+     * within a round, so only a round's first gather is not hidden behind the wire. */
+    size_t limit = first_sent && first_sent->local_dev >= 0 && first_sent->batch->opcode == FMC_OP_WRITE
+                       ? FMC_GPU_ROUND_BYTES
+                       : FMC_COALESCE_BYTES;
+    while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < limit || niov == 0)) {
         fmc_slice *s = st->pending.head;
         int is_write = s->batch->opcode == FMC_OP_WRITE;
-        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes) : 1;
+        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes, limit)
+                                                                     : 1;
         if (k >= 2) {
             /* One header, the table of k entries, then (writes) the k payloads. */
             uint8_t *table = sc->table[nent];
@@ -351,12 +441,11 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         pthread_cond_broadcast(&st->cv); /* an exit path may wait on cv too */
         return 0;
     }
+    int gpu = 0;
+    for (int i = 0; i < nw && !gpu; i++)
+        gpu = sc->writes[i]->local_dev >= 0;
     pthread_mutex_unlock(&st->mu);
-    int rc = stage_gpu_sources(st, sc, niov, nw);
-    if (rc == 0 && deadline_ms >= 0)
-        rc = fmc_sendv_deadline(fd, sc->iov, niov, deadline_ms);
-    else if (rc == 0)
-        rc = nzc && fmc_zc_enabled(st->peer->engine) ? fmc_sendv_zc(fd, sc->iov, niov, sc->zc, st->zc_pipe) : fmc_sendv_all(fd, sc->iov, niov);
+    int rc = send_round_iov(st, sc, niov, nw, gpu, deadline_ms);
     if (rc == -1 && errno == EFAULT) /* the stream dies with the slices it carried, as for any send error */
         fmc_engine_log(st->peer->engine, "a write to %s:%d failed: the kernel refused to read its source (its "
                        "protection changed after registration?); stream closed", st->peer->host, st->peer->data_port);
@@ -394,8 +483,10 @@ static int finish_handoff(fmc_stream *st)
     st->handoff = 0;
     int fd = st->fd, nw = sc->rest_nw;
     pthread_mutex_unlock(&st->mu);
-    int rc = sc->rest_gpu ? stage_gpu_sources(st, sc, sc->rest_n, nw) : 0; /* then nothing was sent */
-    if (rc == 0)
+    int rc;
+    if (sc->rest_gpu) /* then nothing was sent: the whole round goes through the pipeline */
+        rc = send_gpu_round(st, sc, sc->rest_n, nw, -1);
+    else
         rc = sc->rest_nzc && fmc_zc_enabled(st->peer->engine)
                  ? fmc_sendv_zc(fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov), st->zc_pipe)
                  : fmc_sendv_all(fd, sc->rest, sc->rest_n);
@@ -478,13 +569,26 @@ static int remote_status(int32_t status)
     return FMC_ERR_SOCKET;
 }
 
-/* A read into GPU memory whose host-to-device copy is still running: the receiver reads the
- * next payload into the other staging buffer meanwhile.  The slice stays on st->receiving (so a
- * cancel cuts the stream) and is finished once its copy has landed. */
+/* Reads into GPU memory land through staging chunks, pipelined: a piece of an answer (at most
+ * one chunk of GPU payloads, one device) is received into a chunk, its scatter to the GPU queued
+ * and fenced, and the receiver goes on reading while it runs.  Pieces land (fence waited for,
+ * chunk back to the pool) in answer order: when FMC_STAGE_DEPTH are pending, when a chunk is
+ * needed and none is free, before an answer that does not go through staging, and before the
+ * thread parks or exits.  A piece that ends an answer carries its slices, which stay on
+ * st->receiving (so a cancel cuts the stream) until it lands: only then do they finish. */
 typedef struct {
-    fmc_slice *s;
-    int in_stage2;
-} gpu_landing;
+    fmc_chunk *chunk;
+    fmc_fence fence;
+    int failed;       /* its copy could not be queued */
+    fmc_slice *first; /* the answer's slices, when this piece ends it (NULL otherwise) */
+    int nslices;
+} rx_piece;
+
+typedef struct {
+    rx_piece p[FMC_STAGE_DEPTH];
+    int head, count;
+    int failed; /* a piece of the answer being landed failed: its GPU slices fail */
+} rx_ring;
 
 static void receiving_remove(fmc_stream *st, fmc_slice *x)
 {
@@ -500,18 +604,72 @@ static void receiving_remove(fmc_stream *st, fmc_slice *x)
         st->receiving.tail = prev;
 }
 
-/* Wait for the pending copy, then hand its slice to `done`.  Called without st->mu. */
-static void land_pending(fmc_stream *st, gpu_landing *g, fmc_slice_list *done)
+/* The oldest pending piece lands; its slices, if it ends an answer, leave st->receiving for
+ * `done` (or for the sender, while it may still read them).  Called without st->mu. */
+static void land_oldest(fmc_stream *st, rx_ring *r, fmc_slice_list *done)
 {
-    if (!g->s)
+    rx_piece *p = &r->p[r->head];
+    r->head = (r->head + 1) % FMC_STAGE_DEPTH;
+    r->count--;
+    if (p->failed || fmc_cuda_fence_wait(&p->fence) != FMC_OK)
+        r->failed = 1;
+    fmc_stage_put(&st->peer->engine->stage, p->chunk);
+    p->chunk = NULL;
+    if (!p->first)
         return;
-    if (fmc_cuda_wait(g->s->local_dev) != FMC_OK)
-        g->s->answer_status = FMC_ERR_DEVICE_NOT_FOUND;
     pthread_mutex_lock(&st->mu);
-    receiving_remove(st, g->s);
+    for (int i = 0; i < p->nslices; i++) {
+        fmc_slice *x = st->receiving.head;
+        if (x != p->first && i == 0) { /* not at the head: cannot happen (answers land in order) */
+            x = p->first;
+            receiving_remove(st, x);
+        } else {
+            st->receiving.head = x->next;
+            if (!st->receiving.head)
+                st->receiving.tail = NULL;
+        }
+        if (r->failed && x->local_dev >= 0 && x->answer_status == FMC_OK)
+            x->answer_status = FMC_ERR_DEVICE_NOT_FOUND;
+        fmc_slice_list_push(x->sending ? &st->answered : done, x);
+    }
     pthread_mutex_unlock(&st->mu);
-    fmc_slice_list_push(done, g->s);
-    g->s = NULL;
+    r->failed = 0;
+}
+
+static void land_all(fmc_stream *st, rx_ring *r, fmc_slice_list *done)
+{
+    while (r->count)
+        land_oldest(st, r, done);
+}
+
+/* A receive chunk for a piece on `dev`: free ones first; with none, the oldest pending piece
+ * lands and gives its chunk back; with nothing pending, the pool is waited for (until the stream
+ * dies).  NULL: no chunk. */
+static fmc_chunk *rx_chunk(fmc_stream *st, rx_ring *r, int dev, fmc_slice_list *done)
+{
+    fmc_stage_pool *pool = &st->peer->engine->stage;
+    for (;;) {
+        if (r->count == FMC_STAGE_DEPTH)
+            land_oldest(st, r, done);
+        fmc_chunk *k = fmc_stage_get(pool, FMC_STAGE_RECV, dev, r->count ? 0 : -1, &st->dead);
+        if (k || !r->count)
+            return k;
+        land_oldest(st, r, done);
+    }
+}
+
+/* Queue a piece's scatter (n copies from its chunk to one device) and add it to the pipeline. */
+static rx_piece *rx_push(fmc_stream *st, rx_ring *r, fmc_chunk *k, int dev, uint64_t *dst, uint64_t *src,
+                         size_t *len, int n)
+{
+    rx_piece *p = &r->p[(r->head + r->count) % FMC_STAGE_DEPTH];
+    r->count++;
+    p->chunk = k;
+    p->first = NULL;
+    p->nslices = 0;
+    int mode = k->pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
+    p->failed = fmc_cuda_gather_async(dst, src, len, n, dev, mode) != FMC_OK || fmc_cuda_fence_record(&p->fence, dev) != FMC_OK;
+    return p;
 }
 
 /* A read's destination the kernel refused to write (the caller's buffer was made read-only or
@@ -524,13 +682,13 @@ static void local_refused(fmc_stream *st, fmc_slice *s)
                    (unsigned long long)s->len, (unsigned long long)s->local);
 }
 
-/* A read's payload: straight into host memory, or into a staging buffer whose copy to the GPU
- * then runs while the next payload arrives (the previous pending one is landed first).  A
- * payload into host memory lands the pending one first, so `done` keeps answer order. */
-static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_landing *g, fmc_slice_list *done)
+/* A read's payload: straight into host memory (after every pending piece landed, so that `done`
+ * keeps answer order), or into GPU memory through the pipeline, piece by piece.  Returns 1 when
+ * the slice lands later (its last piece carries it), 0 when done, -1 on a broken stream. */
+static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, rx_ring *r, fmc_slice_list *done)
 {
     if (s->local_dev < 0) {
-        land_pending(st, g, done);
+        land_all(st, r, done);
         int rc = fmc_reader_read_region(rd, (void *)(uintptr_t)s->local, (size_t)s->len);
         if (rc == FMC_READ_REFUSED) {
             local_refused(st, s);
@@ -538,56 +696,34 @@ static int receive_payload(fmc_stream *st, fmc_reader *rd, fmc_slice *s, gpu_lan
         }
         return rc;
     }
-    int use2 = g->s && !g->in_stage2;
-    fmc_staging *stage = use2 ? &st->recv_stage2 : &st->recv_stage;
-    if (fmc_staging_reserve(stage, (size_t)s->len, s->local_dev) != 0 || fmc_reader_read_into(rd, stage->buf, (size_t)s->len) < 0)
-        return -1;
-    land_pending(st, g, done);
-    if (fmc_cuda_copy_async(s->local, (uint64_t)(uintptr_t)stage->buf, (size_t)s->len, s->local_dev) != FMC_OK)
-        return -1;
-    g->s = s;
-    g->in_stage2 = use2;
-    return 1; /* lands later: land_pending finishes it */
-}
-
-/* Copy the staged payloads of a vector's GPU destinations into place, grouped by device, and
- * wait for those copies (this thread's own) before the slices may finish. */
-static int scatter_staged(fmc_stream *st, fmc_slice **into, const struct iovec *iov, int n)
-{
-    uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX];
-    size_t len[FMC_VEC_MAX];
-    int mode = st->recv_stage.pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
-    int rc = FMC_OK;
-    uint64_t devices = 0;
-    for (int i = 0, m = 0, dev = -1; i <= n; i++) {
-        int d = i < n ? into[i]->local_dev : -2;
-        if (i < n && d < 0)
-            continue;
-        if (m > 0 && d != dev) {
-            if (fmc_cuda_gather_async(dst, src, len, m, dev, mode) != FMC_OK)
-                rc = FMC_ERR_DEVICE_NOT_FOUND;
-            m = 0;
+    for (uint64_t off = 0; off < s->len;) {
+        size_t piece = s->len - off < FMC_STAGE_CHUNK ? (size_t)(s->len - off) : FMC_STAGE_CHUNK;
+        fmc_chunk *k = rx_chunk(st, r, s->local_dev, done);
+        if (!k || fmc_reader_read_into(rd, k->buf, piece) < 0) {
+            fmc_stage_put(&st->peer->engine->stage, k);
+            return -1;
         }
-        if (i == n)
-            break;
-        dev = d;
-        devices |= 1ull << (d & 63);
-        dst[m] = into[i]->local;
-        src[m] = (uint64_t)(uintptr_t)iov[i].iov_base;
-        len[m++] = (size_t)into[i]->len;
+        uint64_t dst = s->local + off, src = (uint64_t)(uintptr_t)k->buf;
+        size_t len = piece;
+        rx_piece *p = rx_push(st, r, k, s->local_dev, &dst, &src, &len, 1);
+        off += piece;
+        if (off == s->len) {
+            p->first = s;
+            p->nslices = 1;
+        }
     }
-    for (int d = 0; d < 64; d++)
-        if (((devices >> d) & 1) && fmc_cuda_wait(d) != FMC_OK)
-            rc = FMC_ERR_DEVICE_NOT_FOUND;
-    return rc;
+    return 1;
 }
 
-/* The rest of a vector's answer `a` for the k slices on st->receiving (see fmc_wire.h): entry
- * statuses when it failed, then a read's payloads, scattered straight into place.  Sets each
- * slice's answer_status; -1 if the answer does not fit the request. */
-static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int k)
+/* The rest of a vector's answer `a` for its k slices from `first` on (on st->receiving, see
+ * fmc_wire.h): entry statuses when it failed, then a read's payloads, scattered straight into
+ * place; GPU destinations' payloads through the pipeline, a piece at a time side by side in a
+ * chunk.  Sets each slice's answer_status.  Returns 1 when the slices land later (with the last
+ * piece), 0 when they are done, -1 if the answer does not fit the request or the stream broke. */
+static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, fmc_slice *first, int k, rx_ring *r,
+                          fmc_slice_list *done)
 {
-    int is_read = st->receiving.head->batch->opcode == FMC_OP_READ;
+    int is_read = first->batch->opcode == FMC_OP_READ;
     uint64_t expect = 0;
     if (a->status != FMC_OK) {
         if (a->len < (uint64_t)k * 4 || fmc_reader_fill(rd, (size_t)k * 4) < 0)
@@ -596,48 +732,69 @@ static int receive_vector(fmc_stream *st, fmc_reader *rd, const fmc_resp *a, int
     }
     struct iovec iov[FMC_VEC_MAX];
     fmc_slice *into[FMC_VEC_MAX];
-    int n = 0, j = 0, gpu_dev = -1;
+    int n = 0, j = 0;
     uint64_t gpu_bytes = 0;
-    for (fmc_slice *x = st->receiving.head; x; x = x->next, j++) {
+    for (fmc_slice *x = first; x && j < k; x = x->next, j++) {
         int32_t status = a->status == FMC_OK ? FMC_OK : (int32_t)fmc_get32(rd->buf + rd->start + 4 * (size_t)j);
         x->answer_status = remote_status(status);
         if (is_read && status == FMC_OK) {
             into[n] = x;
             iov[n++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = (size_t)x->len};
             expect += x->len;
-            if (x->local_dev >= 0) {
-                gpu_bytes += x->len;
-                gpu_dev = gpu_dev < 0 ? x->local_dev : gpu_dev;
-            }
+            gpu_bytes += x->local_dev >= 0 ? x->len : 0;
         }
     }
     if (a->status != FMC_OK)
         rd->start += (size_t)k * 4;
     if (a->len != expect)
         return -1;
-    /* GPU destinations: their payloads land side by side in the staging buffer, then one
-     * scatter (the copy kernel, or the driver's batch) puts them in place. */
-    if (gpu_bytes && fmc_staging_reserve(&st->recv_stage, (size_t)gpu_bytes, gpu_dev) != 0)
-        return -1;
-    uint64_t off = 0;
-    for (int i = 0; gpu_bytes && i < n; i++) {
-        if (into[i]->local_dev < 0)
-            continue;
-        iov[i].iov_base = st->recv_stage.buf + off;
-        off += into[i]->len;
+    if (!gpu_bytes)
+        land_all(st, r, done); /* answers land in order */
+    uint8_t refused[FMC_VEC_MAX] = {0};
+    rx_piece *last = NULL;
+    for (int i = 0, e; i < n; i = e) {
+        /* The next piece: entries up to the next GPU one that does not fit the chunk or lies on
+         * another device (host destinations are received in place along with it). */
+        int dev = -1;
+        size_t staged = 0;
+        for (e = i; e < n; e++) {
+            if (into[e]->local_dev < 0)
+                continue;
+            if (dev >= 0 && (into[e]->local_dev != dev || staged + into[e]->len > FMC_STAGE_CHUNK))
+                break;
+            dev = into[e]->local_dev;
+            staged += into[e]->len;
+        }
+        fmc_chunk *c = dev >= 0 ? rx_chunk(st, r, dev, done) : NULL;
+        if (dev >= 0 && !c)
+            return -1;
+        uint64_t dst[FMC_VEC_MAX], src[FMC_VEC_MAX], off = 0;
+        size_t len[FMC_VEC_MAX];
+        int m = 0;
+        for (int x = i; c && x < e; x++) {
+            if (into[x]->local_dev < 0)
+                continue;
+            iov[x].iov_base = c->buf + off;
+            dst[m] = into[x]->local;
+            src[m] = (uint64_t)(uintptr_t)iov[x].iov_base;
+            len[m++] = (size_t)into[x]->len;
+            off += into[x]->len;
+        }
+        if (fmc_reader_read_regions(rd, iov + i, e - i, refused + i) < 0) {
+            fmc_stage_put(&st->peer->engine->stage, c);
+            return -1;
+        }
+        if (c)
+            last = rx_push(st, r, c, dev, dst, src, len, m);
     }
-    uint8_t refused[FMC_VEC_MAX];
-    if (n && fmc_reader_read_regions(rd, iov, n, refused) < 0)
-        return -1;
     for (int i = 0; i < n; i++)
         if (refused[i])
             local_refused(st, into[i]);
-    if (gpu_bytes && scatter_staged(st, into, iov, n) != FMC_OK) {
-        for (int i = 0; i < n; i++)
-            if (into[i]->local_dev >= 0)
-                into[i]->answer_status = FMC_ERR_DEVICE_NOT_FOUND;
-    }
-    return 0;
+    if (!last)
+        return 0;
+    last->first = first;
+    last->nslices = k;
+    return 1;
 }
 
 /* A zero-copy answer's bytes were copied out of the target's pages just now; a target that
@@ -788,12 +945,13 @@ void *fmc_stream_recv_main(void *arg)
     int proto = st->peer->proto;
     fmc_reader *rd = &st->rd;
     fmc_slice_list done = {0};
-    gpu_landing gpu = {0};
+    rx_ring gpu;
+    memset(&gpu, 0, sizeof gpu);
     for (;;) {
         fmc_resp a;
         int park = !answer_buffered(proto, rd);
         if (park)
-            land_pending(st, &gpu, &done); /* before this thread may block */
+            land_all(st, &gpu, &done); /* before this thread may block */
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         done.head = done.tail = NULL;
         if (park && !receiver_park(st))
@@ -804,46 +962,49 @@ void *fmc_stream_recv_main(void *arg)
         int broken = 0;
         for (;;) {
             fmc_slice *s = st->inflight.head;
-            if (s && s->vec_n >= 2 && gpu.s) {
-                /* `receiving` is about to hold the vector: land the pending GPU read first. */
-                pthread_mutex_unlock(&st->mu);
-                land_pending(st, &gpu, &done);
-                pthread_mutex_lock(&st->mu);
-                s = st->inflight.head;
-            }
             if (s && s->vec_n >= 2) {
-                /* A vector's answer: its slices leave `inflight` together. */
+                /* A vector's answer: its slices leave `inflight` together, behind the slices of
+                 * GPU pieces still landing on `receiving`. */
                 int k = s->vec_n;
-                st->receiving.head = s;
+                fmc_slice *first = s;
                 for (int j = 1; j < k && s; j++)
                     s = s->next;
-                if (!s || st->receiving.head->id != a.id) {
-                    st->receiving.head = NULL;
+                if (!s || first->id != a.id) {
                     pthread_mutex_unlock(&st->mu);
                     log_bad_answer(st, "an answer that matches no request");
                     broken = 1;
                     break;
                 }
-                st->receiving.tail = s;
                 st->inflight.head = s->next;
                 if (!st->inflight.head)
                     st->inflight.tail = NULL;
                 s->next = NULL;
+                if (st->receiving.tail)
+                    st->receiving.tail->next = first;
+                else
+                    st->receiving.head = first;
+                st->receiving.tail = s;
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                if (receive_vector(st, rd, &a, k) < 0) {
+                int got = receive_vector(st, rd, &a, first, k, &gpu, &done);
+                if (got < 0) {
                     log_bad_answer(st, "a vector answer that does not fit its request");
                     broken = 1; /* `receiving` stays set: the exit path fails it */
                     break;
                 }
                 if (zc_answer_void(st, &a)) {
+                    for (fmc_slice *x = first; x; x = x->next)
+                        x->answer_status = FMC_ERR_SOCKET; /* a GPU landing finishes them so */
                     broken = 1;
                     break;
                 }
                 pthread_mutex_lock(&st->mu);
                 st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
-                for (fmc_slice *x = st->receiving.head, *next; x; x = next) {
+                if (got == 1) /* they land with the vector's last GPU piece */
+                    goto next_answer;
+                /* Every earlier piece landed (receive_vector): `receiving` holds just these. */
+                for (fmc_slice *x = first, *next; x; x = next) {
                     next = x->next;
                     fmc_slice_list_push(x->sending ? &st->answered : &done, x);
                 }
@@ -897,7 +1058,9 @@ void *fmc_stream_recv_main(void *arg)
         send_ack_if_due_locked(st);
         pthread_mutex_unlock(&st->mu);
     }
-    land_pending(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
+    land_all(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
+    for (int i = 0; i < FMC_STAGE_DEPTH; i++)
+        fmc_cuda_fence_free(&gpu.p[i].fence);
     fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
     stream_thread_exit(st);
     return NULL;

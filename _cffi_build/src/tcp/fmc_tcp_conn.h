@@ -11,16 +11,31 @@
 
 #define FMC_FLUSH_BYTES (4u << 20) /* queued answer bytes that force a flush */
 
-#define FMC_GPU_RUN_BYTES (2u << 20) /* a run of contiguous GPU writes is copied as one, up to this */
-#define FMC_GPU_RUN_MAX 64           /* and up to this many writes */
-
+/* GPU memory through staging chunks (fmc_stage_pool.c), as a pipeline: a request's GPU bytes
+ * are cut into pieces of at most one chunk; each piece's copy is queued on this thread's stream
+ * and fenced, and the thread goes on with the next piece or request while it runs.  A piece
+ * `lands` (its fence waited for) in request order: a write's answer is queued once its last
+ * piece landed, a read's header and payload once each piece landed (the chunk then stays with
+ * the queued answer until it is sent).  Pins taken for a request are held until it landed. */
+#define FMC_LANDINGS FMC_STAGE_DEPTH
 typedef struct {
-    int n; /* writes in the run; 0: none */
-    int in_stage2, dev;
-    uint64_t addr, len; /* the destination range so far */
-    uint64_t ids[FMC_GPU_RUN_MAX];
-    fmc_region *region; /* pinned by the run's first write, which covers the others */
-} fmc_gpu_run;
+    fmc_chunk *chunk;
+    fmc_fence fence;     /* kept across uses: its event is made once */
+    int is_read;
+    int first, last;     /* the request's first (reads: the header goes first) and last piece */
+    int failed;          /* its copy could not be queued */
+    int dev;             /* -1: no copy to wait for (a piece of host entries only) */
+    uint64_t id;
+    int vec_n;           /* 0: a single request; else the vector's entry count */
+    int vec_failed;      /* the vector has failed entries: statuses follow its header (cs->vec_status) */
+    uint64_t ans_len;    /* reads: the answer's payload length (first piece) */
+    uint64_t gpu_bytes;  /* bytes this piece copies (served once landed) */
+    int npins;
+    fmc_region *pins[FMC_VEC_MAX]; /* released once landed */
+    int nparts;
+    struct iovec parts[FMC_VEC_MAX]; /* reads: the piece's payloads in order (staged or in place) */
+    int gpu_part[FMC_VEC_MAX];       /* reads: parts[i] is a staged GPU entry (a failure fails it) */
+} fmc_landing;
 
 /* Zero-copy read answers (fmc_wire.h): the initiator copies their bytes out of our pages only
  * when it reads its socket, so each such answer keeps its regions pinned until acknowledged.
@@ -66,12 +81,11 @@ typedef struct fmc_conn_state {
     uint64_t last_len; /* bytes the last request moved: polling for the next pays only after small ones */
     uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
                                        (one shared atomic add per request made the streams contend) */
-    fmc_staging stage; /* GPU regions: payloads pass through here (and, alternating, stage2) */
-    fmc_staging stage2;
-    /* Writes into GPU memory: `gpu_open` collects consecutive writes whose destinations follow
-     * each other into one staging buffer; `gpu_flying` is the run whose host-to-device copy is
-     * running while the next one is received.  Answered (and unpinned) once its copy landed. */
-    fmc_gpu_run gpu_open, gpu_flying;
+    fmc_landing land[FMC_LANDINGS]; /* ring, oldest at land_head */
+    int land_head, land_count;
+    fmc_chunk *attached[FMC_STAGE_DEPTH]; /* landed read chunks that queued answers point into */
+    int nattached;
+    int broken;      /* a GPU copy failed: the connection goes at the next flush */
 } fmc_conn_state;
 
 /* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing,

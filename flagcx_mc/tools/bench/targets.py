@@ -3,8 +3,10 @@
 A targets file is JSON (or TOML, ``.toml``, Python 3.11+): an object with a ``targets`` list (a
 bare JSON list works too) of ``{"name", "metric", "threshold", "better"}``, ``better`` being
 ``"higher"`` or ``"lower"``, and optionally ``note_steal_from``: the hypervisor steal share from
-which a target's line names the steal seen during its worst shape.  A metric is a worst case over
-measured rows, written ``kind:transport:against``:
+which a target's line names the steal seen during its worst shape.  A target may also have
+``min_block`` and ``max_block`` (bytes): it is then judged on the rows of blocks in that range
+only (e.g. a stricter threshold from 1 MiB up).  A metric is a worst case over measured rows,
+written ``kind:transport:against``:
 
 - ``throughput_ratio:T:B`` -- GB/s of transport ``T`` over baseline ``B`` (a physical limit of
   ``limits.BASELINES`` or ``mooncake``), at the largest batch of each block size; the lowest;
@@ -46,6 +48,19 @@ class Target:
     metric: str
     threshold: float
     better: str  # "higher" or "lower"
+    min_block: int | None = None  # judged on rows of blocks in [min_block, max_block] only
+    max_block: int | None = None
+
+    def takes_block(self, block: int) -> bool:
+        return (self.min_block is None or block >= self.min_block) and (self.max_block is None or
+                                                                       block <= self.max_block)
+
+    def block_range(self) -> str:
+        low = fmt_size(self.min_block) if self.min_block is not None else None
+        high = fmt_size(self.max_block) if self.max_block is not None else None
+        if low and high:
+            return f"blocks of {low} to {high}"
+        return f"blocks from {low}" if low else f"blocks up to {high}"
 
     @property
     def parts(self) -> tuple[str, str, str]:
@@ -75,6 +90,13 @@ def _check(target: Target, transports: tuple[str, ...]) -> None:
         raise TargetsError(f"{target.name!r}: no transport {against!r} (known: {', '.join(transports)})")
     if kind == "calls_ratio" and (against.count("/") != 1 or not all(against.split("/"))):
         raise TargetsError(f"{target.name!r}: calls_ratio compares two columns, A/B, not {against!r}")
+    for bound in (target.min_block, target.max_block):
+        if bound is not None and (type(bound) is not int or bound < 0):
+            raise TargetsError(f"{target.name!r}: min_block and max_block are block sizes in bytes, not {bound!r}")
+    if target.min_block is not None and target.max_block is not None and target.min_block > target.max_block:
+        raise TargetsError(f"{target.name!r}: min_block {target.min_block} is above max_block {target.max_block}")
+    if (target.min_block is not None or target.max_block is not None) and kind == "p50_latency_ratio":
+        raise TargetsError(f"{target.name!r}: a latency target has one size; min_block and max_block do not apply")
     if target.better not in ("higher", "lower"):
         raise TargetsError(f"{target.name!r}: better must be 'higher' or 'lower', not {target.better!r}")
 
@@ -103,7 +125,8 @@ def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
     for item in data["targets"]:
         try:
             target = Target(name=str(item["name"]), metric=str(item["metric"]), threshold=float(item["threshold"]),
-                            better=str(item["better"]))
+                            better=str(item["better"]), min_block=item.get("min_block"),
+                            max_block=item.get("max_block"))
         except (TypeError, KeyError, ValueError) as exc:
             raise TargetsError(f"{path}: a target needs name, metric, threshold (a number) and better: {item!r} "
                                f"({type(exc).__name__}: {exc})") from None
@@ -144,16 +167,20 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
         return [], _why_not(result, transport, against)
     if kind == "calls_ratio":
         top, bottom = against.split("/")
-        calls = [r for r in result.get("async_calls", []) if r.get("transport") == transport and r.get("count") == 1]
+        calls = [r for r in result.get("async_calls", []) if r.get("transport") == transport and r.get("count") == 1
+                 and target.takes_block(r.get("block", 0))]
         pairs = [(r["calls_per_s"][top] / r["calls_per_s"][bottom], r) for r in calls
                  if r["calls_per_s"].get(top) and r["calls_per_s"].get(bottom)]
         return pairs, "" if pairs else f"no async calls measured on {transport} (flagcx-mc bench --async)"
-    rows = throughput_rows(result.get("rows", []), transport)
+    all_rows = throughput_rows(result.get("rows", []), transport)
+    rows = [r for r in all_rows if target.takes_block(r["block"])]
 
     def value_of(r: dict) -> float | None:
         return r.get("cpu_vs_mooncake") if kind == "cpu_ratio" else r.get("ratios", {}).get(against)
 
     values = [(v, r) for r in rows if (v := value_of(r)) is not None]
+    if not values and all_rows and not rows:
+        return values, f"no {transport} rows of {target.block_range()}"
     others = _mooncake_transports(result) if against == "mooncake" else [against]
     return values, "" if values else _why_not(result, transport, *others)
 
