@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import importlib.machinery
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,6 +75,19 @@ def node():
     proc = NodeProcess(regions=NODE_REGIONS, config={"transfer_timeout": 10.0})
     yield proc
     proc.close()
+
+
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory) -> str:
+    """tests/helpers/fake_libcuda.c built as a shared library: a CUDA driver without a GPU,
+    loaded by the core through FLAGCX_MC_LIBCUDA."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake CUDA driver")
+    src = os.path.join(os.path.dirname(__file__), "helpers", "fake_libcuda.c")
+    out = str(tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, "-lpthread"], check=True)
+    return out
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -24,17 +23,6 @@ SIZE = 4 << 20
 
 def _text(u: str) -> str:
     return gpu_uuid_text(bytes.fromhex(u))
-
-
-@pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory) -> str:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the fake CUDA driver")
-    src = os.path.join(os.path.dirname(__file__), "helpers", "fake_libcuda.c")
-    out = str(tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, "-lpthread"], check=True)
-    return out
 
 
 class _Fake:

@@ -8,24 +8,10 @@ wrong bytes.  The suite runs in a child pytest, since a process loads its driver
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
-import pytest
-
 UUID = "00112233445566778899aabbccddeef0"
-
-
-@pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory) -> str:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the fake CUDA driver")
-    src = os.path.join(os.path.dirname(__file__), "helpers", "fake_libcuda.c")
-    out = str(tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, "-lpthread"], check=True)
-    return out
 
 
 def test_gpu_tcp_suite_on_the_lazy_fake_driver(fake_driver):
