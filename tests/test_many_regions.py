@@ -1,4 +1,4 @@
-"""Engines with tens of thousands of registered regions: their descriptor no longer fits one 1 MiB
+"""Engines with tens of thousands of registered regions: their descriptor does not fit one 1 MiB
 handshake frame in the list form, yet flagcx_mc peers reach every region (compact table, pages),
 Mooncake peers get the whole region list or a clear refusal, and the initiator's own table never
 gets in the way of its handshakes."""
