@@ -141,9 +141,8 @@ class CoreEngine:
         opts.spin_us = int(config.spin_us)
         opts.copy_threads = int(config.copy_threads)
         opts.zerocopy = int(bool(config.zerocopy))
-        from .config import GPU_COPY_MODES
-
-        opts.gpu_copy = GPU_COPY_MODES.index(config.gpu_copy)
+        opts.gpu_copy = {"auto": lib.FMC_GPU_COPY_AUTO, "kernel": lib.FMC_GPU_COPY_KERNEL,
+                         "batch": lib.FMC_GPU_COPY_BATCH, "single": lib.FMC_GPU_COPY_SINGLE}[config.gpu_copy]
         opts.gpu_staging = int(config.gpu_staging)
         out = ffi.new("fmc_engine **")
         rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, opts, out)

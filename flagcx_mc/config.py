@@ -28,10 +28,10 @@ __all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "default_streams"
 
 log = logging.getLogger(__name__)
 
-# How GPU blocks are staged through pinned host memory for TCP (fmc_options.gpu_copy, in this
-# order): the copy kernel for runs under 32 KiB and the driver's batched copy for longer ones
-# (auto), the kernel for every run (kernel), the driver's batched copy (batch), one copy per run
-# (single).  Runs of adjacent blocks are one copy in every mode.
+# How GPU blocks are staged through pinned host memory for TCP (fmc_options.gpu_copy): the copy
+# kernel for runs under 32 KiB and the driver's batched copy for longer ones (auto), the kernel
+# for every run (kernel), the driver's batched copy (batch), one copy per run (single).  Runs of
+# adjacent blocks are one copy in every mode.
 GPU_COPY_MODES = ("auto", "kernel", "batch", "single")
 
 

@@ -76,7 +76,7 @@ class Completions:
         if state == 0:
             return self.wait(batch, deadline)
         future = self._loop.create_future()
-        future.set_result((0, "") if state == 1 else (state, _reason(state)))
+        future.set_result(_outcome(state))
         return future
 
     def _run(self) -> None:
@@ -124,7 +124,12 @@ class Completions:
 def _deliver(done: list[tuple[asyncio.Future, int]]) -> None:
     for future, state in done:
         if not future.done():  # a cancelled waiter has gone already
-            future.set_result((0, "") if state == 1 else (state, _reason(state)))
+            future.set_result(_outcome(state))
+
+
+def _outcome(state: int) -> tuple[int, str]:
+    """``(rc, why)`` of a batch's final ``poll()`` state (1 done, negative a code)."""
+    return (0, "") if state == 1 else (state, _reason(state))
 
 
 def _reason(code: int) -> str:

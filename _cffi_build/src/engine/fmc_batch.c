@@ -526,14 +526,22 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
 
 /* The three lists as _argpack.pack3 lays them out in one buffer: local[n] | remote[n] | lens[n]
  * (at least one slot each), so a Python call hands over one bytes object and no views. */
-int fmc_transfer_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t timeout_ms)
+static const uint64_t *packed_lists(const char *packed, int n, size_t *slots)
 {
     if (!packed || n < 0) {
         fmc_set_error("transfer: no arguments");
-        return FMC_ERR_INVALID_ARGUMENT;
+        return NULL;
     }
-    const uint64_t *local = (const uint64_t *)(const void *)packed;
-    size_t slots = n > 0 ? (size_t)n : 1;
+    *slots = n > 0 ? (size_t)n : 1;
+    return (const uint64_t *)(const void *)packed;
+}
+
+int fmc_transfer_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t timeout_ms)
+{
+    size_t slots;
+    const uint64_t *local = packed_lists(packed, n, &slots);
+    if (!local)
+        return FMC_ERR_INVALID_ARGUMENT;
     return fmc_transfer(p, opcode, n, local, local + slots, local + 2 * slots, timeout_ms);
 }
 
@@ -596,11 +604,9 @@ int fmc_transfer_start_packed(fmc_peer *p, int opcode, int n, const char *packed
                               fmc_batch **pending)
 {
     *pending = NULL;
-    if (!packed || n < 0) {
-        fmc_set_error("transfer: no arguments");
+    size_t slots;
+    const uint64_t *local = packed_lists(packed, n, &slots);
+    if (!local)
         return FMC_ERR_INVALID_ARGUMENT;
-    }
-    const uint64_t *local = (const uint64_t *)(const void *)packed;
-    size_t slots = n > 0 ? (size_t)n : 1;
     return fmc_transfer_start(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending);
 }

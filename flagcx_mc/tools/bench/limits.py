@@ -129,7 +129,7 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
 
 # Limits measured and shown beside a transport's own.
 _ALSO_AGAINST = {"raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",),
-                 "gpu tcp limit": ("raw socket", "cuda d2h", "cuda h2d")}
+                 "gpu tcp limit": _DERIVED["gpu tcp limit"]}
 
 
 def also_against(limit: str) -> tuple[str, ...]:
