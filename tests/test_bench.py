@@ -124,7 +124,9 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
                 beside = [b for b in data["baselines"]
                           if (b["name"], b["op"], b["block"], b["count"]) == (limit, r["op"], r["block"], r["count"])]
                 assert len(beside) == 1 and r["ratios"][limit] == pytest.approx(r["gbps"] / beside[0]["gbps"])
-            if name != "mooncake-tcp" and "mooncake-tcp" in ran:
+            if r["memory"] == "cuda":  # held against Mooncake moving GPU memory only
+                assert "mooncake" not in r["ratios"]
+            elif name != "mooncake-tcp" and "mooncake-tcp" in ran:
                 assert r["ratios"]["mooncake"] > 0 and r["cpu_vs_mooncake"] > 0
     limits = {b["name"] for b in data["baselines"]}
     assert "raw socket" in limits and all(b["gbps"] > 0 for b in data["baselines"])
@@ -203,6 +205,25 @@ def test_ratios_use_the_limit_measured_beside_the_row():
     old = [dict(rows[1], ratios={})]
     report.add_ratios(old, [{"name": "raw socket", "block": 4096, "count": 8, "gbps": 8.0}], {"tcp": "raw socket"})
     assert old[0]["ratios"]["raw socket"] == 0.25
+
+
+def test_rows_are_held_against_mooncakes_row_of_the_same_workload():
+    """GPU memory is compared with Mooncake's CUDA wheel moving GPU memory, a paged layout with
+    its paged layout; host memory (also engine-allocated) with its host TCP rows."""
+    def row(transport, engine, memory, gbps, layout="contiguous"):
+        return {"transport": transport, "engine": engine, "memory": memory, "target_memory": memory, "op": "write",
+                "block": 16384, "count": 1024, "layout": layout, "callers": 1, "gbps": gbps, "verified": True,
+                "ratios": {}, "cpu_s_per_gib": None}
+
+    rows = [row("mooncake-tcp", "mooncake", "host", 2.0), row("mooncake-gpu-tcp", "mooncake", "cuda", 0.5),
+            row("mooncake-gpu-tcp-paged", "mooncake", "cuda", 0.25, "paged"),
+            row("tcp", "flagcx_mc", "host", 8.0), row("same-host-shm", "flagcx_mc", "managed", 10.0),
+            row("gpu-tcp", "flagcx_mc", "cuda", 5.0), row("gpu-tcp-paged", "flagcx_mc", "cuda", 4.0, "paged"),
+            dict(row("gpu-host-tcp-paged", "flagcx_mc", "cuda", 3.0, "paged"), target_memory="host")]
+    report.add_ratios(rows, [], {r["transport"]: "raw socket" for r in rows})
+    got = {r["transport"]: r["ratios"].get("mooncake") for r in rows if r["engine"] == "flagcx_mc"}
+    assert got == {"tcp": 4.0, "same-host-shm": 5.0, "gpu-tcp": 10.0, "gpu-tcp-paged": 16.0,
+                   "gpu-host-tcp-paged": None}
 
 
 def test_a_target_also_shows_its_worst_row_between_median_trials():
@@ -371,6 +392,35 @@ def test_cuda_baseline_is_absent_or_works():
     assert lib.fmc_baseline_cuda_d2d(0, 0, 0, 4096, 4096, 1, out) == core_lib.FMC_ERR_INVALID_ARGUMENT
 
 
+def test_mooncake_gpu_peer_runs_verified_or_says_why_not(tmp_path):
+    """Mooncake's CUDA wheel over its TCP transport moves the same GPU workload as ``gpu-tcp`` (the
+    peer to beat); without a GPU, or with a host-only Mooncake build, the bench says why it cannot."""
+    proc, data = _bench(tmp_path, "--blocks", "64k", "--batch", "8", "--paged-blocks", "16k", "--repeat", "1",
+                        "--trials", "1", "--latency-n", "0", "--steal-retries", "0",
+                        "--transports", "gpu-tcp,mooncake-gpu-tcp,mooncake-gpu-tcp-paged", timeout=300)
+    assert data is not None, proc.stdout + proc.stderr
+    gpus, _ = cuda_device_count()
+    info = data["transports"]["mooncake-gpu-tcp"]
+    if not HAVE_MOONCAKE:
+        assert not info["available"] and info["reason"].startswith("mooncake.engine cannot be imported")
+    elif not gpus:
+        assert not info["available"] and info["reason"].startswith("not available on this machine")
+    elif not bench.mooncake_has_cuda():
+        assert not info["available"] and "not a CUDA build" in info["reason"]
+    else:
+        assert info["available"] and data["transports"]["mooncake-gpu-tcp-paged"]["available"]
+        rows = {(r["transport"], r["op"]): r for r in data["rows"]}
+        for name in ("mooncake-gpu-tcp", "mooncake-gpu-tcp-paged"):
+            for op in ("write", "read"):
+                r = rows[(name, op)]
+                assert r["verified"] and r["error"] is None and r["memory"] == "cuda", r
+        for op in ("write", "read"):
+            ours = rows[("gpu-tcp", op)]
+            assert ours["ratios"]["mooncake"] == pytest.approx(ours["gbps"] / rows[("mooncake-gpu-tcp", op)]["gbps"])
+    if not info["available"]:
+        assert f"mooncake-gpu-tcp: {info['reason']}" in proc.stdout
+
+
 def test_limits_are_a_module_of_their_own():
     """The production core carries no benchmark code; the limits module only the measurements."""
     assert not [name for name in dir(core_lib) if "baseline" in name]
@@ -468,7 +518,7 @@ def test_targets_files_may_be_toml(tmp_path):
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
     kinds = [t.metric.split(":")[0] for t in loaded.targets]
-    assert kinds.count("calls_ratio") == 10 and len(kinds) == 22 and loaded.note_steal_from == 0.05
+    assert kinds.count("calls_ratio") == 10 and len(kinds) == 24 and loaded.note_steal_from == 0.05
     gpu_tcp = [t for t in loaded.targets if t.metric.endswith(":gpu tcp limit")]
     assert len(gpu_tcp) == 5 and all(t.better == "higher" for t in gpu_tcp)
     assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.8, None)) == 4

@@ -43,7 +43,14 @@ def add_ratios(rows: list, baselines: list, limit_of: dict[str, str]) -> None:
             return None
         return statistics.median(mine) / statistics.median(theirs)
 
-    mooncake = {(r["op"], r["block"], r["count"]): r for r in rows if r["engine"] == "mooncake" and r["verified"]}
+    def workload(r: dict) -> tuple:
+        """What Mooncake's row must share with ours to be compared: GPU or host memory on each
+        side, the layout and the callers as well as the shape (older results: host memory)."""
+        memory = r.get("memory", "host")
+        gpu = (memory == "cuda", (r.get("target_memory") or memory) == "cuda")
+        return (r["op"], r["block"], r["count"], gpu, r.get("layout", "contiguous"), r.get("callers", 1))
+
+    mooncake = {workload(r): r for r in rows if r["engine"] == "mooncake" and r["verified"]}
     for r in rows:
         if not r["verified"]:
             continue
@@ -54,7 +61,7 @@ def add_ratios(rows: list, baselines: list, limit_of: dict[str, str]) -> None:
             if limit:
                 r["ratios"][name] = r["gbps"] / limit
                 medians[name] = median_ratio(r.get("trials_gbps"), trials.get((name, r["block"], r["count"], r["op"])))
-        mc = mooncake.get((r["op"], r["block"], r["count"]))
+        mc = mooncake.get(workload(r))
         if mc is not None and r["engine"] != "mooncake":
             r["ratios"]["mooncake"] = r["gbps"] / mc["gbps"] if mc["gbps"] else None
             medians["mooncake"] = median_ratio(r.get("trials_gbps"), mc.get("trials_gbps"))

@@ -28,6 +28,7 @@ import platform
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import IO
 
 from ..._extras import install_hint
@@ -84,6 +85,10 @@ TRANSPORTS: tuple[Transport, ...] = (
               "GPU to host memory (write) and host to GPU (read) over native TCP, paged KV cache",
               layout="paged", target_memory="host"),
     Transport("mooncake-tcp", "mooncake", "host", "", "raw socket", "Mooncake TCP transport (PyPI wheel)"),
+    Transport("mooncake-gpu-tcp", "mooncake", "cuda", "", "gpu tcp limit",
+              "Mooncake TCP transport, GPU memory (its CUDA wheel)"),
+    Transport("mooncake-gpu-tcp-paged", "mooncake", "cuda", "", "gpu tcp limit",
+              "Mooncake TCP transport, GPU memory, paged KV cache (its CUDA wheel)", layout="paged"),
 )
 
 
@@ -152,6 +157,19 @@ def _engine_config(t: Transport, streams: int) -> dict:
     return config
 
 
+def mooncake_has_cuda() -> bool:
+    """Whether the importable ``mooncake.engine`` is a CUDA build: only those move GPU memory over
+    TCP (a host-only build fails on GPU addresses).  Read from its linked libraries, without
+    importing it here."""
+    spec = importlib.util.find_spec("mooncake")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for lib in Path(folder).glob("engine*.so"):
+            with contextlib.suppress(OSError):
+                if b"libcudart.so" in lib.read_bytes():
+                    return True
+    return False
+
+
 def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
     """Whether this build and machine can run the transport, and why not."""
     if t.engine == "mooncake":
@@ -160,7 +178,8 @@ def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
         if importlib.util.find_spec("mooncake") is None:
             hint = install_hint("bench", "mooncake")
             return False, f"mooncake.engine cannot be imported (Mooncake's engine, x86_64 only, {hint})"
-        return True, ""
+        if t.memory != "cuda":
+            return True, ""
     if t.memory == "cuda":
         from ... import names
         from ...buffers import cuda_device_count
@@ -170,6 +189,9 @@ def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
             return False, f"not available on this machine ({why})"
         if not names.SUPPORT_CUDA:
             return False, "not available in this build (SUPPORT_CUDA is False)"
+        if t.engine == "mooncake":
+            return (True, "") if mooncake_has_cuda() else (
+                False, "the installed Mooncake engine is not a CUDA build (mooncake-transfer-engine-cuda13)")
     try:
         from ...config import EngineConfig
 
