@@ -17,6 +17,32 @@
 
 #include "fmc_core.h"
 
+/* Timestamps of the data path's steps for diagnosis (common/fmc_trace.c), compiled in only with
+ * -DFMC_TRACE (`CFLAGS=-DFMC_TRACE pip install .`): each is (event, a, b) with the thread and a
+ * CLOCK_MONOTONIC time, dumped at exit to $FMC_TRACE_FILE.<pid>, and read by
+ * `python -m flagcx_mc.tools.trace_report` (which keeps the same names). */
+enum fmc_trace_event {
+    FMC_TR_CALL = 1,        /* a synchronous transfer starts: a = its tasks */
+    FMC_TR_CALL_END = 2,    /* it returns: a = rc */
+    FMC_TR_GATHER = 10,     /* a send pipeline queued a piece's gather: a = socket, b = copies */
+    FMC_TR_FENCE_WAIT = 11, /* it waits for a piece's gather: a = socket */
+    FMC_TR_FENCED = 12,     /* the gather has landed: a = socket */
+    FMC_TR_SENT = 13,       /* the piece has left: a = socket, b = iovecs */
+    FMC_TR_REQUEST = 20,    /* a target took a vector request: a = socket, b = entries */
+    FMC_TR_RECV = 21,       /* it starts receiving a piece into staging: a = socket, b = entries */
+    FMC_TR_RECEIVED = 22,   /* the piece has arrived: a = socket, b = bytes */
+    FMC_TR_LAND_WAIT = 23,  /* it waits for a piece's copy to the GPU: a = socket */
+    FMC_TR_LANDED = 24,     /* the copy has landed: a = socket */
+    FMC_TR_ANSWER = 25,     /* it sends the queued answers: a = socket, b = iovecs */
+    FMC_TR_ANSWERED = 26,   /* they have left: a = socket */
+};
+#ifdef FMC_TRACE
+void fmc_trace(int event, uint64_t a, uint64_t b);
+#define FMC_TR(event, a, b) fmc_trace((event), (uint64_t)(a), (uint64_t)(b))
+#else
+#define FMC_TR(event, a, b) ((void)0)
+#endif
+
 #define FMC_MAX_PINS 512         /* regions one server connection may hold pinned at once */
 #define FMC_IOV_MAX 512          /* iovec entries per sendmsg */
 #define FMC_COALESCE_BYTES (1u << 20) /* a sender stops gathering slices past this many bytes */

@@ -503,6 +503,7 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     fmc_batch *b = NULL;
     fmc_stream *receiving = NULL;
     int64_t start_us = fmc_now_us();
+    FMC_TR(FMC_TR_CALL, n, 0);
     int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms), &receiving);
     if (rc != FMC_OK)
         return rc;
@@ -516,6 +517,7 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
         spin = 0; /* polled already */
     }
     rc = batch_wait(b, timeout_ms, spin);
+    FMC_TR(FMC_TR_CALL_END, rc, 0);
     if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT)
         set_failure_reason(p, rc);
     fmc_batch_free(b);

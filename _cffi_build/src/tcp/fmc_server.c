@@ -223,7 +223,9 @@ static int send_answers(fmc_conn_state *cs)
  * staging chunks they pointed into.  The held pin and the counters wait for a flush. */
 static int send_out(fmc_conn_state *cs)
 {
+    FMC_TR(FMC_TR_ANSWER, cs->rd.fd, cs->niov);
     int rc = cs->broken ? -1 : send_answers(cs);
+    FMC_TR(FMC_TR_ANSWERED, cs->rd.fd, 0);
     for (int i = 0; i < cs->nread_pins; i++)
         unpin(cs, cs->read_pins[i]);
     for (int i = 0; i < cs->nattached; i++)
@@ -253,8 +255,10 @@ static void land_oldest(fmc_conn_state *cs)
     fmc_landing *l = &cs->land[cs->land_head];
     cs->land_head = (cs->land_head + 1) % FMC_LANDINGS;
     cs->land_count--;
+    FMC_TR(FMC_TR_LAND_WAIT, cs->rd.fd, 0);
     if (l->failed || fmc_cuda_fence_wait(&l->fence) != FMC_OK)
         gpu_broken(cs);
+    FMC_TR(FMC_TR_LANDED, cs->rd.fd, 0);
     if (cs->broken) { /* nothing more is answered on this connection */
         for (int i = 0; i < l->npins; i++)
             unpin(cs, l->pins[i]);
@@ -633,6 +637,7 @@ static int vector_write_gpu(fmc_conn_state *cs, const fmc_req *q, int n, const u
             }
             iov[e - i] = (struct iovec){.iov_base = at, .iov_len = (size_t)len[e]};
         }
+        FMC_TR(FMC_TR_RECV, cs->rd.fd, j - i);
         if (!k || fmc_reader_read_regions(&cs->rd, iov, j - i, refused) < 0) {
             fmc_stage_put(&cs->e->stage, k);
             for (int e = i; e < n; e++)
@@ -640,6 +645,7 @@ static int vector_write_gpu(fmc_conn_state *cs, const fmc_req *q, int n, const u
                     unpin(cs, reg[e]);
             return -1;
         }
+        FMC_TR(FMC_TR_RECEIVED, cs->rd.fd, off);
         fmc_landing *l = land_slot(cs, k, dev, 0, q->id);
         piece_copy(cs, l, dst, src, sz, m);
         l->gpu_bytes = off;
@@ -718,6 +724,7 @@ static int vector_read_gpu(fmc_conn_state *cs, const fmc_req *q, int n, const ui
  * Returns -1 to drop the connection. */
 static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
 {
+    FMC_TR(FMC_TR_REQUEST, cs->rd.fd, q->key);
     fmc_engine *e = cs->e;
     int n = (int)q->key, is_write = q->opcode == FMC_WIRE_OP_WRITEV;
     if (!cs->vectors || n < 2 || n > FMC_VEC_MAX || q->addr != 0) {

@@ -212,6 +212,18 @@ typedef struct {
     int failed;
 } send_piece;
 
+/* A piece leaves once its gather has landed: 0, or < 0 as send_range (-1 if the copy failed). */
+static int send_piece_now(fmc_stream *st, send_scratch *sc, const send_piece *p, int64_t deadline_ms)
+{
+    FMC_TR(FMC_TR_FENCE_WAIT, st->fd, 0);
+    if (p->failed || fmc_cuda_fence_wait(p->fence) != FMC_OK)
+        return -1;
+    FMC_TR(FMC_TR_FENCED, st->fd, 0);
+    int rc = send_range(st, sc, p->from, p->to, deadline_ms);
+    FMC_TR(FMC_TR_SENT, st->fd, p->to - p->from);
+    return rc;
+}
+
 /* Send round iovecs [0, niov) whose write payloads include GPU sources: they go through staging
  * chunks as a pipeline.  The round is cut into pieces of at most one chunk of GPU bytes (one
  * device each; headers and host payloads ride along); each piece's gather (the copy kernel or
@@ -250,7 +262,7 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         if (dev < 0) { /* no GPU payload left: the rest goes after the pieces before it */
             for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
                 send_piece *p = &ring[head];
-                rc = p->failed || fmc_cuda_fence_wait(p->fence) != FMC_OK ? -1 : send_range(st, sc, p->from, p->to, deadline_ms);
+                rc = send_piece_now(st, sc, p, deadline_ms);
                 fmc_stage_put(pool, p->chunk);
                 sent = p->to;
             }
@@ -270,7 +282,7 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
                 break;
             }
             send_piece *p = &ring[head]; /* send the oldest piece, then ask again */
-            rc = p->failed || fmc_cuda_fence_wait(p->fence) != FMC_OK ? -1 : send_range(st, sc, p->from, p->to, deadline_ms);
+            rc = send_piece_now(st, sc, p, deadline_ms);
             fmc_stage_put(pool, p->chunk);
             sent = p->to;
             head = (head + 1) % FMC_STAGE_DEPTH;
@@ -295,12 +307,13 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         }
         p->failed = fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, m, dev, mode) != FMC_OK ||
                     fmc_cuda_fence_record(p->fence, dev) != FMC_OK;
+        FMC_TR(FMC_TR_GATHER, st->fd, m);
         count++;
         v = to;
         if (to == niov) { /* the last piece: send everything in order */
             for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
                 send_piece *q = &ring[head];
-                rc = q->failed || fmc_cuda_fence_wait(q->fence) != FMC_OK ? -1 : send_range(st, sc, q->from, q->to, deadline_ms);
+                rc = send_piece_now(st, sc, q, deadline_ms);
                 fmc_stage_put(pool, q->chunk);
                 sent = q->to;
             }
