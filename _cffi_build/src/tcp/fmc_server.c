@@ -349,11 +349,13 @@ static int receive_into_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint
     for (uint64_t off = 0; off < len;) {
         size_t piece = len - off < FMC_STAGE_CHUNK ? (size_t)(len - off) : FMC_STAGE_CHUNK;
         fmc_chunk *k = conn_chunk(cs, FMC_STAGE_RECV, r->cuda_dev);
+        FMC_TR(FMC_TR_RECV, cs->rd.fd, 1);
         if (!k || fmc_reader_read_into(&cs->rd, k->buf, piece) < 0) {
             fmc_stage_put(&cs->e->stage, k);
             unpin(cs, r);
             return -1;
         }
+        FMC_TR(FMC_TR_RECEIVED, cs->rd.fd, piece);
         fmc_landing *l = land_slot(cs, k, r->cuda_dev, 0, id);
         l->failed = fmc_cuda_copy_async(addr + off, (uint64_t)(uintptr_t)k->buf, piece, r->cuda_dev) != FMC_OK ||
                     fmc_cuda_fence_record(&l->fence, r->cuda_dev) != FMC_OK;
