@@ -147,6 +147,8 @@ int fmc_transfer_start_one(fmc_peer *peer, int opcode, uint64_t local, uint64_t 
                            int64_t poll_us, fmc_batch **pending);
 int fmc_transfer_start_packed(fmc_peer *peer, int opcode, int n, const char *packed, int64_t poll_us,
                               fmc_batch **pending);
+int fmc_transfer_start_group(fmc_peer *peer, int opcode, int n, const char *packed, int64_t poll_us,
+                             fmc_batch **pending);
 
 /* device buffers: GPU memory without a framework (flagcx_mc.buffers.DeviceBuffer), through the
  * core's libcuda; FMC_ERR_NOT_IMPLEMENTED where there is no driver */

@@ -596,6 +596,31 @@ def test_calls_ratio_targets_judge_single_transfers_of_the_async_bench(tmp_path)
         tg.load_targets(str(path), ("tcp",))
 
 
+def test_check_reads_an_async_results_file(tmp_path):
+    """``--check`` on what ``--async`` wrote: the calls/s table and the calls_ratio targets,
+    judged afresh; a miss fails the check."""
+    def row(transport, loop, **rates):
+        return {"transport": transport, "block": 65536, "count": 1, "loop": loop,
+                "calls_per_s": {c: rates.get(c, 1.0) for c in ("sync", "async_1", "async_16", "async_64",
+                                                               "to_thread_1", "to_thread_16", "to_thread_64")}}
+
+    results = tmp_path / "async.json"
+    results.write_text(json.dumps({"async_calls": [row("tcp", "uvloop", sync=100.0, async_1=90.0,
+                                                       async_16=50.0, to_thread_16=20.0)],
+                                   "targets": [], "verified": True, "errors": []}))
+    targets = _write_targets(tmp_path / "t.json",
+                             {"name": "one", "metric": "calls_ratio:tcp:async_1/sync", "threshold": 0.3,
+                              "better": "higher"},
+                             {"name": "sixteen", "metric": "calls_ratio:tcp:async_16/to_thread_16",
+                              "threshold": 3.0, "better": "higher"})
+    proc = _check(results, "--targets", targets)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # 2.5 < 3: a miss
+    assert "Traceback" not in proc.stderr and "tcp        64K x1" in proc.stdout
+    assert "PASS one: 0.90 (threshold 0.3)" in proc.stdout and "MISS sixteen: 2.50 (threshold 3.0)" in proc.stdout
+    plain = _check(results)
+    assert plain.returncode == 0 and "64K x1" in plain.stdout and "PASS" not in plain.stdout
+
+
 def test_paged_plan_is_scattered_disjoint_and_the_same_in_both_processes():
     """The paged layout: K and V tensors per layer, the same share of blocks from each, random
     distinct ids on each side (not the identity), every block inside its tensor."""

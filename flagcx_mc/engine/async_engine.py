@@ -118,7 +118,8 @@ class AsyncTransferEngine:
     def stats(self) -> dict:
         """The C core's counters (bytes, batches, refusals, connections) as flat keys, plus
         ``session``, ``totals`` and ``peers`` (per-peer bytes, transfers, failures and a latency
-        histogram of transfer calls; see metrics.py)."""
+        histogram of transfer calls; see metrics.py), and ``call_groups`` / ``grouped_calls``:
+        how many batches carried several coroutines' calls together, and those calls."""
         return self._state.stats()
 
     async def get_local_topology(self, device_name: str | None = None) -> str:

@@ -29,6 +29,7 @@ from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
 from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
+from .coalesce import Coalescer
 from .completions import Completions
 from .managed import ManagedPool
 from .metrics import EngineMetrics
@@ -81,6 +82,7 @@ class EngineState:
         self._managed: ManagedPool | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._completions: Completions | None = None
+        self._coalescer: Coalescer | None = None
         self._awaiting = 0  # transfers handed to the poller, not yet back
         self._poll_again_at = 0.0  # perf_counter() from which calls poll on the loop again
         self._log_task: asyncio.Task | None = None
@@ -104,6 +106,7 @@ class EngineState:
         self.loop = loop
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
         self._completions = Completions(loop, lambda: self._executor)
+        self._coalescer = Coalescer(loop, self._start_one, _start_group, self._hand_over, self._deadline)
         low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
             store = (open_store(kind, url, timeout=self.config.handshake_timeout,
@@ -248,8 +251,10 @@ class EngineState:
 
     def stats(self) -> dict:
         core = self.require_core()
+        grouped = self._coalescer
         return {**core.stats(), "session": self.session_name, "rpc_port": self.rpc_port, "data_port": core.data_port,
-                **self.metrics.snapshot()}
+                "call_groups": grouped.groups if grouped else 0,
+                "grouped_calls": grouped.grouped_calls if grouped else 0, **self.metrics.snapshot()}
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], Any] | None = None) -> T:
         """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop.
@@ -277,47 +282,79 @@ class EngineState:
         Started from the loop thread, which does not block long: over TCP the core only queues
         the batch or sends a small one as far as the socket takes it at once; on one host it
         copies inside the call, so only copies of up to ``INLINE_COPY_BYTES`` run here and larger
-        ones in the executor.  A small call also keeps the loop for up to ``LONE_POLL_US`` (none
-        where the engine's ``spin_us`` is 0): its answer is then read here and the call costs
-        no thread hop.
+        ones in the executor.  Over TCP, calls that coroutines start in the same turn of the loop
+        go out together as one batch (``Coalescer``).  A small call started on its own keeps the
+        loop for up to ``LONE_POLL_US`` (none where the engine's ``spin_us`` is 0): its answer
+        is then read here and the call costs no thread hop.
         Calls that have not ended are awaited through ``Completions``.  A cancelled call waits
         for its batch to end (done, or cancelled by the poller at its deadline) before
         ``CancelledError`` propagates, so nothing touches either side's buffers after it
         returns."""
         peer = session.peer
-        if req.total_bytes > INLINE_COPY_BYTES and peer.same_host:
-            return await self.run_blocking(req.run, session, self.config)  # the core counts a success
+        if peer.same_host:
+            if req.total_bytes > INLINE_COPY_BYTES:
+                return await self.run_blocking(req.run, session, self.config)  # the core counts a success
+            rc, why, batch = self._start_one(session, req)
+            return (rc, why) if batch is None else await self._await_alone(target, req, batch)
         started = time.perf_counter()
-        # Polling serialises the coroutines' calls, which on a few cores still beats handing
-        # them to the sender, receiver and poller threads (measured: 16 and 64 coroutines of
-        # 4 KiB calls 1.3-1.8x faster).  Once a poll has run out while other calls are waiting
-        # (a slow peer, large calls, a busy host), calls go to the threads until the loop's
-        # calls drain or POLL_RETRY_S has passed: a failed poll costs the loop LONE_POLL_US.
-        # (Starting every ready coroutine's call first and reading all their answers in one
-        # pass afterwards measured slower on 2 cores: one coroutine 0.55x the sync facade
-        # instead of 1.0x, and 16 no faster, the extra loop iterations costing more than the
-        # overlap saved.  Doing that only while several tasks call, with every such write on
-        # one stream whose answers the loop reads itself, ran 16 coroutines as fast as this,
-        # not faster: both cores are busy either way.)
-        poll_us = (LONE_POLL_US if self._awaiting == 0 or started >= self._poll_again_at else -1)
+        assert self._coalescer is not None
+        joined = self._coalescer.join(session, req)
+        if joined is None:
+            rc, why, batch = self._start_one(session, req)
+            return (rc, why) if batch is None else await self._await_alone(target, req, batch)
+        future, group = joined
+        try:
+            rc, why, counted = await future
+        except asyncio.CancelledError:
+            # Wait for the group's end (its deadline bounds it) rather than cancel it: a cancel
+            # cuts the stream, which would fail other calls riding on it.
+            await _finish(asyncio.ensure_future(self._coalescer.finish_cancelled(group)))
+            raise
+        if rc == 0 and not counted:
+            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
+        return rc, why
+
+    def _start_one(self, session: Session, req: TransferRequest | SingleTransfer) -> tuple[int, str, CoreBatch | None]:
+        """Start one call from the loop: ``(rc, why, None)`` if it ended here (a success is
+        counted by the core), else ``(0, "", batch)`` in flight.
+
+        Polling serialises the coroutines' calls, which on a few cores still beats handing
+        them to the sender, receiver and poller threads (measured: 16 and 64 coroutines of
+        4 KiB calls 1.3-1.8x faster).  Once a poll has run out while other calls are waiting
+        (a slow peer, large calls, a busy host), calls go to the threads until the loop's
+        calls drain or POLL_RETRY_S has passed: a failed poll costs the loop LONE_POLL_US."""
+        started = time.perf_counter()
+        poll_us = LONE_POLL_US if self._awaiting == 0 or started >= self._poll_again_at else -1
         rc, why, batch = req.start(session, poll_us)
         if poll_us > 0 and batch is not None:
             self._poll_again_at = started + POLL_RETRY_S
-        if batch is None:
-            return rc, why  # ended here: a success is counted by the core
+        return rc, why, batch
+
+    def _deadline(self, nbytes: int) -> float:
+        return time.monotonic() + self.config.timeout_for(nbytes)
+
+    def _hand_over(self, batch: CoreBatch, deadline: float) -> asyncio.Future:
+        """The poller's future of ``batch``'s ``(rc, why)``, counted in ``_awaiting`` until it
+        resolves."""
         assert self._completions is not None
-        deadline = time.monotonic() + self.config.timeout_for(req.total_bytes)
         future = self._completions.wait(batch, deadline)
         self._awaiting += 1
+        future.add_done_callback(self._handed_back)
+        return future
+
+    def _handed_back(self, _future: asyncio.Future) -> None:
+        self._awaiting -= 1
+
+    async def _await_alone(self, target: str, req: TransferRequest | SingleTransfer,
+                           batch: CoreBatch) -> tuple[int, str]:
+        """The outcome of a call started alone that did not end on the loop, through the poller."""
+        started = time.perf_counter()
+        future = self._hand_over(batch, self._deadline(req.total_bytes))
         try:
             outcome = await asyncio.shield(future)  # (rc, why)
         except asyncio.CancelledError:
-            # Wait for the batch's end (its deadline bounds it) rather than cancel it: a
-            # cancel cuts the stream, which would fail other calls' batches riding on it.
-            await _finish(future)
+            await _finish(future)  # the batch's end: its deadline bounds it
             raise
-        finally:
-            self._awaiting -= 1
         if outcome[0] == 0:  # batches ended by the poller are not counted by the core: count here
             self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
         return outcome
@@ -408,6 +445,13 @@ class EngineState:
                 return
             for line in self._core.drain_log():
                 log.warning("%s: %s", self.session_name, line)
+
+
+def _start_group(session: Session, req: TransferRequest) -> tuple[int, str, CoreBatch | None]:
+    """Start a group of calls merged into ``req``: sent from the loop where it fits one stream's
+    send at once, else by the sender threads, never polled for here (a group's calls have other
+    coroutines' work to make way for); the core does not count it (each call is counted)."""
+    return session.peer.start_group(req.opcode, req.count, req.packed, 0)
 
 
 async def _finish(future: asyncio.Future) -> None:

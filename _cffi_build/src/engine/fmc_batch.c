@@ -561,8 +561,8 @@ int fmc_transfer_one(fmc_peer *p, int opcode, uint64_t local, uint64_t remote, u
  * where the engine's spin_us is 0).  On one host the copy happens here, whatever poll_us.
  * Returns the outcome when the transfer ended (*pending = NULL; a success is counted as
  * fmc_transfer counts it), else FMC_OK with the batch still in flight in *pending. */
-int fmc_transfer_start(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                       const uint64_t *lens, int64_t poll_us, fmc_batch **pending)
+static int start_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                          const uint64_t *lens, int64_t poll_us, fmc_batch **pending, int counted)
 {
     *pending = NULL;
     fmc_batch *b = NULL;
@@ -587,11 +587,18 @@ int fmc_transfer_start(fmc_peer *p, int opcode, int n, const uint64_t *local, co
     }
     fmc_batch_free(b);
     if (rc == 1) {
-        count_call(p, opcode, n, lens, start_us);
+        if (counted)
+            count_call(p, opcode, n, lens, start_us);
         return FMC_OK;
     }
     set_failure_reason(p, rc);
     return rc;
+}
+
+int fmc_transfer_start(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
+                       const uint64_t *lens, int64_t poll_us, fmc_batch **pending)
+{
+    return start_transfer(p, opcode, n, local, remote, lens, poll_us, pending, 1);
 }
 
 /* fmc_transfer_start of one range, as plain ints: no arrays to build in Python. */
@@ -611,4 +618,17 @@ int fmc_transfer_start_packed(fmc_peer *p, int opcode, int n, const char *packed
     if (!local)
         return FMC_ERR_INVALID_ARGUMENT;
     return fmc_transfer_start(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending);
+}
+
+/* fmc_transfer_start_packed of several calls' ranges gathered into one batch (the async facade's
+ * coalescing): a success is not counted here, since the caller counts each of its calls. */
+int fmc_transfer_start_group(fmc_peer *p, int opcode, int n, const char *packed, int64_t poll_us,
+                             fmc_batch **pending)
+{
+    *pending = NULL;
+    size_t slots;
+    const uint64_t *local = packed_lists(packed, n, &slots);
+    if (!local)
+        return FMC_ERR_INVALID_ARGUMENT;
+    return start_transfer(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending, 0);
 }

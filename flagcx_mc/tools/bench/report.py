@@ -17,7 +17,8 @@ from ..._extras import install_hint
 from ..._units import fmt_size
 from .limits import BASELINES, also_against
 
-__all__ = ["add_ratios", "draw_png", "print_report", "steal_summary", "throughput_rows", "verdict", "write_json"]
+__all__ = ["add_ratios", "draw_png", "print_report", "print_targets", "steal_summary", "throughput_rows", "verdict",
+           "write_json"]
 
 
 def add_ratios(rows: list, baselines: list, limit_of: dict[str, str]) -> None:
@@ -133,14 +134,20 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
     steal_line = steal_summary(result)
     if steal_line:
         print(steal_line, file=out)
-    if result.get("targets"):
-        print(file=out)
-        for t in result["targets"]:
-            measured = "" if t["measured"] is None else f"{t['measured']:.2f} (threshold {t['threshold']})"
-            print(f"{t['status']:<4} {t['name']}: {measured}{'  ' if measured else ''}{t['detail']}", file=out)
+    print_targets(result.get("targets", []), out)
     bad = [r for r in rows if not r["verified"]] + [x for x in result["latency"] if not x["verified"]]
     print("all transfers verified by sha256" if not bad and not result["errors"]
           else f"{len(bad)} measurement(s) NOT verified, {len(result['errors'])} error(s)", file=out)
+
+
+def print_targets(targets: list[dict], out: IO[str] | None = None) -> None:
+    """One line per evaluated target: its status, measured value, threshold and detail."""
+    out = out or sys.stdout
+    if targets:
+        print(file=out)
+    for t in targets:
+        measured = "" if t["measured"] is None else f"{t['measured']:.2f} (threshold {t['threshold']})"
+        print(f"{t['status']:<4} {t['name']}: {measured}{'  ' if measured else ''}{t['detail']}", file=out)
 
 
 def draw_png(result: dict, path: str) -> str | None:

@@ -1,0 +1,210 @@
+"""``Coalescer``: transfer calls that coroutines start in one turn of the event loop, to one
+peer over TCP with one opcode, leave as one core batch.
+
+Over TCP most of a small call's cost is fixed (a send, the target's wake-up, an answer, the
+wake-ups that bring it back to the loop), whatever its size up to a few hundred KiB.  Sixteen
+coroutines each awaiting its own 64 KiB write pay that sixteen times one after another; gathered
+into one batch they pay it once and their bytes stream back to back.  A call joins the open
+group of its peer and opcode and awaits its future; the group leaves from a callback that the
+first call scheduled with ``call_soon``, which runs once every coroutine already ready on the
+loop has had its turn (and so its chance to join), or as soon as it is full.
+
+A lone coroutine gains nothing from waiting a turn: after ``LONE_GROUPS`` groups in a row of
+one call each, calls go straight to the core (``join`` returns None) except one in
+``PROBE_EVERY``, which opens a group again: if other coroutines are calling, they join it and
+grouping resumes.
+
+Each call's outcome is its own: the core keeps a status per task, so a group's failed task
+fails only the call it came from.  If the group cannot be started at all (one call's range is
+not registered on the peer, say), every call is started on its own instead, each meeting its
+own error.  A cancelled call returns once its group's batch has ended, as any cancelled
+transfer does; one cancelled before its group left is simply left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from .. import errors
+from .._argpack import pack3
+from .._core import CoreBatch
+from .requests import SingleTransfer, TransferRequest
+from .sessions import Session
+
+__all__ = ["Coalescer", "merge"]
+
+# A group holds at most this much: a larger one gains nothing from more company, and the calls
+# of a group end together, so a small call should not wait behind megabytes.
+GROUP_MAX_BYTES = 4 << 20
+GROUP_MAX_TASKS = 4096
+LONE_GROUPS = 8
+PROBE_EVERY = 64
+
+_TIMEOUT_CODE = errors.TransferTimeoutError.code
+
+Call = TransferRequest | SingleTransfer
+# (rc, why, counted): counted when the core has counted the call's success in the peer's stats.
+Outcome = tuple[int, str, bool]
+Started = tuple[int, str, CoreBatch | None]
+
+
+class _Group:
+    __slots__ = ("session", "calls", "bytes", "tasks", "sent", "ended")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.calls: list[tuple[Call, asyncio.Future]] = []
+        self.bytes = self.tasks = 0
+        self.sent = False
+        self.ended: asyncio.Future | None = None  # once sent: resolved when its batch has ended
+
+
+def merge(reqs: list[Call]) -> TransferRequest:
+    """One request of every range of ``reqs``, in order (one opcode)."""
+    singles = [r for r in reqs if type(r) is SingleTransfer]
+    if len(singles) == len(reqs):
+        packed, n, total = pack3([r.buffer for r in singles], [r.peer_address for r in singles],
+                                 [r.length for r in singles])
+        return TransferRequest(reqs[0].opcode, n, total, packed)
+    parts = [_arrays(r) for r in reqs]
+    packed = b"".join(p[0] for p in parts) + b"".join(p[1] for p in parts) + b"".join(p[2] for p in parts)
+    return TransferRequest(reqs[0].opcode, sum(r.count for r in reqs), sum(r.total_bytes for r in reqs), packed)
+
+
+def _arrays(req: Call) -> tuple[bytes, bytes, bytes]:
+    """The local, remote and length arrays of ``req`` as packed u64s (pack3's layout)."""
+    if type(req) is SingleTransfer:
+        packed = pack3([req.buffer], [req.peer_address], [req.length])[0]
+        return packed[:8], packed[8:16], packed[16:24]
+    assert isinstance(req, TransferRequest)
+    n, slots, p = req.count, max(req.count, 1), req.packed
+    return p[:8 * n], p[8 * slots:8 * (slots + n)], p[16 * slots:8 * (2 * slots + n)]
+
+
+class Coalescer:
+    """The open groups of one engine's loop, by (peer, opcode)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, start_alone: Callable[[Session, Call], Started],
+                 start_group: Callable[[Session, TransferRequest], Started],
+                 wait: Callable[[CoreBatch, float], asyncio.Future], deadline: Callable[[int], float]) -> None:
+        self._loop = loop
+        self._start_alone = start_alone  # a call as the engine starts one on its own; counted by the core
+        self._start_group = start_group  # a merged request; never counted by the core
+        self._wait = wait  # (batch, deadline) -> future of (rc, why): the poller's
+        self._deadline = deadline  # bytes -> time.monotonic() deadline
+        self._open: dict[tuple[int, int], _Group] = {}
+        self.groups = 0  # groups of two or more calls sent as one batch
+        self.grouped_calls = 0  # the calls in them
+        self._lone = 0  # groups of one call in a row
+        self._skipped = 0  # calls sent straight since the last probe
+
+    def join(self, session: Session, req: Call) -> tuple[asyncio.Future, _Group] | None:
+        """The call's future of an ``Outcome`` and its group; None: start it straight away."""
+        key = (id(session.peer), req.opcode)
+        group = self._open.get(key)
+        if group is None or group.session is not session:
+            if self._lone >= LONE_GROUPS and group is None:
+                self._skipped += 1
+                if self._skipped < PROBE_EVERY:
+                    return None
+                self._skipped = 0
+            if group is not None:
+                self._send(key, group)
+            group = self._open[key] = _Group(session)
+            self._loop.call_soon(self._send, key, group)
+        future = self._loop.create_future()
+        group.calls.append((req, future))
+        group.bytes += req.total_bytes
+        group.tasks += req.count
+        if group.bytes >= GROUP_MAX_BYTES or group.tasks >= GROUP_MAX_TASKS:
+            self._send(key, group)
+        return future, group
+
+    async def finish_cancelled(self, group: _Group) -> None:
+        """Returns once nothing more touches the buffers of a call of ``group`` whose awaiting
+        task was cancelled."""
+        if group.ended is not None:
+            await asyncio.shield(group.ended)
+
+    def _send(self, key: tuple[int, int], group: _Group) -> None:
+        if group.sent:
+            return
+        group.sent = True
+        if self._open.get(key) is group:
+            del self._open[key]
+        calls = [(req, future) for req, future in group.calls if not future.done()]  # cancelled: left out
+        self._lone = self._lone + 1 if len(calls) == 1 else 0
+        group.ended = ended = self._loop.create_future()
+        try:
+            if not calls:
+                ended.set_result(None)
+            elif len(calls) == 1:
+                self._send_alone(group.session, *calls[0], ended)
+            else:
+                self._send_together(group.session, calls, ended)
+        except Exception as exc:  # the engine closed under the group, say: its callers see why
+            for _, future in calls:
+                if not future.done():
+                    future.set_exception(exc)
+            if not ended.done():
+                ended.set_result(None)
+
+    def _send_alone(self, session: Session, req: Call, future: asyncio.Future, ended: asyncio.Future) -> None:
+        rc, why, batch = self._start_alone(session, req)
+        if batch is None:
+            _resolve(future, (rc, why, rc == 0))
+            ended.set_result(None)
+            return
+
+        def done(waited: asyncio.Future) -> None:
+            rc, why = waited.result()
+            _resolve(future, (rc, why, False))
+            ended.set_result(None)
+
+        self._wait(batch, self._deadline(req.total_bytes)).add_done_callback(done)
+
+    def _send_together(self, session: Session, calls: list[tuple[Call, asyncio.Future]],
+                       ended: asyncio.Future) -> None:
+        self.groups += 1
+        self.grouped_calls += len(calls)
+        merged = merge([req for req, _ in calls])
+        rc, why, batch = self._start_group(session, merged)
+        if rc != 0:  # refused as a whole, or failed at once: each call on its own finds its outcome
+            pending = [self._loop.create_future() for _ in calls]
+            for (req, future), own_end in zip(calls, pending, strict=True):
+                self._send_alone(session, req, future, own_end)
+            asyncio.gather(*pending).add_done_callback(lambda _: ended.set_result(None))
+            return
+        if batch is None:  # ended within the poll: all succeeded
+            for _, future in calls:
+                _resolve(future, (0, "", False))
+            ended.set_result(None)
+            return
+
+        def done(waited: asyncio.Future) -> None:
+            _resolve_each(calls, batch, waited.result())
+            ended.set_result(None)
+
+        self._wait(batch, self._deadline(merged.total_bytes)).add_done_callback(done)
+
+
+def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
+    if not future.done():  # a cancelled waiter has gone already
+        future.set_result(outcome)
+
+
+def _resolve_each(calls: list[tuple[Call, asyncio.Future]], batch: CoreBatch, outcome: tuple[int, str]) -> None:
+    """Every call's share of its group's outcome: when the group failed, its own tasks' statuses."""
+    rc, why = outcome
+    first = 0
+    for req, future in calls:
+        own: Outcome = (0, "", False)
+        if rc != 0:
+            for i in range(first, first + req.count):
+                status = batch.task_status(i)
+                if status != 0:  # its own failure; but cut at the group's deadline, a timeout
+                    own = (status if status < 0 and rc != _TIMEOUT_CODE else rc, why, False)
+                    break
+        first += req.count
+        _resolve(future, own)

@@ -1,0 +1,155 @@
+"""Calls that coroutines start together over TCP leave as one batch (engine/coalesce.py): every
+call still gets its own bytes, its own error and its own count, a cancelled one returns only once
+its group has ended, and a lone coroutine's calls are not held back."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
+from flagcx_mc.engine import coalesce
+
+pytestmark = [pytest.mark.uvloop, pytest.mark.timeout(60)]
+
+BLOCK = 64 << 10
+
+
+@contextlib.asynccontextmanager
+async def _pair(remote: HostBuffer, *local: HostBuffer):
+    target = AsyncTransferEngine(transport="tcp")
+    try:
+        async with AsyncTransferEngine(transport="tcp") as eng:
+            await target.initialize("127.0.0.1")
+            await target.register_memory(remote.addr, remote.size)
+            await eng.initialize("127.0.0.1")
+            await eng.batch_register_memory([b.addr for b in local], [b.size for b in local])
+            yield target, eng
+    finally:
+        await target.close()
+        for b in (remote, *local):
+            b.close()
+
+
+def _grouped(eng: AsyncTransferEngine) -> tuple[int, int]:
+    stats = eng.stats()
+    return stats["call_groups"], stats["grouped_calls"]
+
+
+async def test_concurrent_calls_share_batches_and_keep_their_bytes():
+    n = 48
+    src, dst, back = HostBuffer(n * BLOCK), HostBuffer(n * BLOCK), HostBuffer(n * BLOCK)
+    async with _pair(dst, src, back) as (target, eng):
+        src.fill_random()
+        name = target.session_name
+        slot = [(i * 29) % n for i in range(n)]  # a permutation: block i lands in slot[i]
+        await asyncio.gather(*(eng.transfer_sync_write(name, src.addr + i * BLOCK, dst.addr + slot[i] * BLOCK, BLOCK)
+                               for i in range(n)))
+        groups, calls = _grouped(eng)
+        assert groups >= 1 and calls >= 2 * groups, (groups, calls)
+        for i in range(n):
+            assert dst.read(slot[i] * BLOCK, BLOCK) == src.read(i * BLOCK, BLOCK), i
+        await asyncio.gather(*(eng.transfer_sync_read(name, back.addr + i * BLOCK, dst.addr + slot[i] * BLOCK, BLOCK)
+                               for i in range(n)))
+        assert back.read(0, n * BLOCK) == src.read(0, n * BLOCK)
+        assert _grouped(eng)[0] > groups  # the reads were grouped too
+        peer = eng.stats()["peers"][name]
+        assert peer["transfers"] == 2 * n and peer["failures"] == 0  # each call counted once
+        assert peer["bytes_written"] == n * BLOCK and peer["bytes_read"] == n * BLOCK
+
+
+async def test_batches_and_single_calls_group_together():
+    """Multi-range batch calls and single-range calls in one group: each range in its place."""
+    n, per = 12, 5
+    block = 4096
+    src, dst = HostBuffer(n * per * block), HostBuffer(n * per * block)
+    async with _pair(dst, src) as (target, eng):
+        src.fill_random()
+        name = target.session_name
+
+        def call(i: int):
+            base = i * per * block
+            if i % 2:
+                return eng.transfer_sync_write(name, src.addr + base, dst.addr + base, per * block)
+            addrs = [base + (per - 1 - j) * block for j in range(per)]  # reversed within the call
+            return eng.batch_transfer_sync_write(name, [src.addr + base + j * block for j in range(per)],
+                                                 [dst.addr + a for a in addrs], [block] * per)
+
+        await asyncio.gather(*(call(i) for i in range(n)))
+        assert _grouped(eng)[0] >= 1
+        for i in range(n):
+            base = i * per * block
+            for j in range(per):
+                where = base + (j if i % 2 else per - 1 - j) * block
+                assert dst.read(where, block) == src.read(base + j * block, block), (i, j)
+
+
+async def test_a_bad_call_fails_alone_in_its_group():
+    n = 16
+    src, dst = HostBuffer(n * BLOCK), HostBuffer(n * BLOCK)
+    async with _pair(dst, src) as (target, eng):
+        src.fill_random()
+        name = target.session_name
+        bad = 5
+        calls = [eng.transfer_sync_write(name, src.addr + i * BLOCK,
+                                         dst.addr + (dst.size if i == bad else i * BLOCK), BLOCK) for i in range(n)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(results[bad], errors.AddressNotRegisteredError), results[bad]
+        for i in range(n):
+            if i != bad:
+                assert results[i] is None, (i, results[i])
+                assert dst.read(i * BLOCK, BLOCK) == src.read(i * BLOCK, BLOCK), i
+        assert dst.read(bad * BLOCK, BLOCK) == bytes(BLOCK)  # nothing written for the bad call
+        assert eng.stats()["peers"][name]["failures"] == 1
+
+
+async def test_a_cancelled_call_leaves_its_group_intact():
+    n = 16
+    src, dst = HostBuffer(n * BLOCK), HostBuffer((n + 1) * BLOCK)
+    async with _pair(dst, src) as (target, eng):
+        src.fill_random()
+        name = target.session_name
+        await eng.transfer_sync_write(name, src.addr, dst.addr + n * BLOCK, 64)  # the session is open
+        tasks = [asyncio.ensure_future(eng.transfer_sync_write(name, src.addr + i * BLOCK, dst.addr + i * BLOCK,
+                                                               BLOCK)) for i in range(n)]
+        await asyncio.sleep(0)  # every task has joined the group; the group leaves next
+        tasks[3].cancel()
+        await asyncio.sleep(0)
+        tasks[7].cancel()  # cancelled after its group left: returns once the batch ended
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[3], asyncio.CancelledError) and isinstance(results[7], asyncio.CancelledError)
+        for i in range(n):
+            if i not in (3, 7):
+                assert results[i] is None and dst.read(i * BLOCK, BLOCK) == src.read(i * BLOCK, BLOCK), i
+        assert dst.read(3 * BLOCK, BLOCK) == bytes(BLOCK)  # left out before it was sent
+        # The group the cancelled call 7 rode in has ended: what it wrote is all there.
+        assert dst.read(7 * BLOCK, BLOCK) == src.read(7 * BLOCK, BLOCK)
+
+
+async def test_a_lone_coroutine_goes_straight_to_the_core():
+    n = 4 * coalesce.PROBE_EVERY
+    block = 4096
+    src, dst = HostBuffer(n * block), HostBuffer(n * block)
+    async with _pair(dst, src) as (target, eng):
+        src.fill_random()
+        for i in range(n):
+            await eng.transfer_sync_write(target.session_name, src.addr + i * block, dst.addr + i * block, block)
+        assert dst.read(0, n * block) == src.read(0, n * block)
+        assert _grouped(eng) == (0, 0)
+        coalescer = eng._state._coalescer
+        assert coalescer._lone >= coalesce.LONE_GROUPS  # it stopped opening groups
+
+
+def test_merge_keeps_every_range_in_order():
+    from flagcx_mc.engine.requests import OP_WRITE, SingleTransfer, TransferRequest
+
+    reqs = [SingleTransfer(OP_WRITE, 1, 2, 3),
+            TransferRequest.build(OP_WRITE, [10, 11], [20, 21], [30, 31]),
+            SingleTransfer(OP_WRITE, 4, 5, 6)]
+    merged = coalesce.merge(reqs)
+    assert (merged.count, merged.total_bytes) == (4, 3 + 30 + 31 + 6)
+    expected = TransferRequest.build(OP_WRITE, [1, 10, 11, 4], [2, 20, 21, 5], [3, 30, 31, 6])
+    assert merged.packed == expected.packed
+    singles = coalesce.merge([SingleTransfer(OP_WRITE, 1, 2, 3), SingleTransfer(OP_WRITE, 4, 5, 6)])
+    assert singles.packed == TransferRequest.build(OP_WRITE, [1, 4], [2, 5], [3, 6]).packed
