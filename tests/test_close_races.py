@@ -212,6 +212,29 @@ def test_async_engine_dropped_after_its_loop_ended(frozen_target):
         buf.close()
 
 
+def test_engines_alive_at_interpreter_exit_shut_down_quietly(tmp_path):
+    """A script that ends with an exception while its engines are still referenced (Mooncake's
+    API has no close()): their finalizers run at interpreter exit, after the executors stopped
+    taking work, and must still stop them without a traceback, keeping the script's exit code."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends_with_an_error.py"
+    script.write_text(
+        "from flagcx_mc import HostBuffer, TransferEngine\n"
+        "a, b = TransferEngine(), TransferEngine()\n"
+        "for e in (a, b):\n"
+        "    assert e.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '') == 0\n"
+        "src, dst = HostBuffer(1 << 16), HostBuffer(1 << 16)\n"
+        "a.register_memory(src.addr, src.size)\n"
+        "b.register_memory(dst.addr, dst.size)\n"
+        "assert a.transfer_sync_write(f'127.0.0.1:{b.get_rpc_port()}', src.addr, dst.addr, 4096) == 0\n"
+        "raise SystemExit(3)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("how", ["cancel", "wait_for"])
 async def test_cancelled_async_transfer_touches_no_buffer_after_it_returns(frozen_target, how):
     """A cancelled transfer gives a timed-out one's guarantee: once the coroutine has finished,
