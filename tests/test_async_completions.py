@@ -4,12 +4,12 @@ deadline expiring there, close() with coroutines waiting."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
 
 import pytest
+from support.engines import engine_pair
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -21,30 +21,12 @@ N = 256
 BIG = 8 << 20
 
 
-@contextlib.asynccontextmanager
-async def _pair(transport: str, remote: HostBuffer, *local: HostBuffer):
-    """A target engine with ``remote`` registered and an initiator with ``local``; both closed,
-    and every buffer, afterwards."""
-    target = AsyncTransferEngine(transport=transport)
-    try:
-        async with AsyncTransferEngine(transport=transport) as eng:
-            await target.initialize("127.0.0.1")
-            await target.register_memory(remote.addr, remote.size)
-            await eng.initialize("127.0.0.1")
-            await eng.batch_register_memory([b.addr for b in local], [b.size for b in local])
-            yield target, eng
-    finally:
-        await target.close()
-        for b in (remote, *local):
-            b.close()
-
-
 @pytest.mark.parametrize("transport", ["tcp", "same-host"])
 @pytest.mark.parametrize("block", [4096, BLOCK, 512 << 10])
 async def test_many_coroutines_move_the_right_bytes(transport, block):
     n = N if block < (512 << 10) else 24
     src, dst, back = HostBuffer(n * block), HostBuffer(n * block), HostBuffer(n * block)
-    async with _pair(transport, dst, src, back) as (target, eng):
+    async with engine_pair(transport, dst, src, back) as (target, eng):
         src.fill_random()
         order = list(range(n))
         order.reverse()  # block i of src lands in slot n-1-i of dst
@@ -65,7 +47,7 @@ async def test_one_coroutine_back_to_back(block):
     once is left to the sender thread) and may end there: every byte still lands in order."""
     n = 64
     src, dst, back = HostBuffer(n * block), HostBuffer(n * block), HostBuffer(n * block)
-    async with _pair("tcp", dst, src, back) as (target, eng):
+    async with engine_pair("tcp", dst, src, back) as (target, eng):
         src.fill_random()
         for i in range(n):
             await eng.transfer_sync_write(target.session_name, src.addr + i * block, dst.addr + i * block, block)
@@ -212,7 +194,7 @@ async def test_many_async_batches_complete_through_the_poller(transport):
     """Batches started from the loop (no executor hop) and waited for together: every byte lands."""
     n, block = 48, 64 << 10
     src, dst = HostBuffer(n * block), HostBuffer(n * block)
-    async with _pair(transport, dst, src) as (target, eng):
+    async with engine_pair(transport, dst, src) as (target, eng):
         src.fill_random()
         ids = [await eng.batch_transfer_async_write(target.session_name, [src.addr + i * block],
                                                     [dst.addr + (n - 1 - i) * block], [block]) for i in range(n)]

@@ -4,9 +4,9 @@ its group has ended, and a lone coroutine's calls are not held back."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
+from support.engines import engine_pair
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc.engine import coalesce
@@ -14,22 +14,6 @@ from flagcx_mc.engine import coalesce
 pytestmark = [pytest.mark.uvloop, pytest.mark.timeout(60)]
 
 BLOCK = 64 << 10
-
-
-@contextlib.asynccontextmanager
-async def _pair(remote: HostBuffer, *local: HostBuffer):
-    target = AsyncTransferEngine(transport="tcp")
-    try:
-        async with AsyncTransferEngine(transport="tcp") as eng:
-            await target.initialize("127.0.0.1")
-            await target.register_memory(remote.addr, remote.size)
-            await eng.initialize("127.0.0.1")
-            await eng.batch_register_memory([b.addr for b in local], [b.size for b in local])
-            yield target, eng
-    finally:
-        await target.close()
-        for b in (remote, *local):
-            b.close()
 
 
 def _grouped(eng: AsyncTransferEngine) -> tuple[int, int]:
@@ -40,7 +24,7 @@ def _grouped(eng: AsyncTransferEngine) -> tuple[int, int]:
 async def test_concurrent_calls_share_batches_and_keep_their_bytes():
     n = 48
     src, dst, back = HostBuffer(n * BLOCK), HostBuffer(n * BLOCK), HostBuffer(n * BLOCK)
-    async with _pair(dst, src, back) as (target, eng):
+    async with engine_pair("tcp", dst, src, back) as (target, eng):
         src.fill_random()
         name = target.session_name
         slot = [(i * 29) % n for i in range(n)]  # a permutation: block i lands in slot[i]
@@ -64,7 +48,7 @@ async def test_batches_and_single_calls_group_together():
     n, per = 12, 5
     block = 4096
     src, dst = HostBuffer(n * per * block), HostBuffer(n * per * block)
-    async with _pair(dst, src) as (target, eng):
+    async with engine_pair("tcp", dst, src) as (target, eng):
         src.fill_random()
         name = target.session_name
 
@@ -88,7 +72,7 @@ async def test_batches_and_single_calls_group_together():
 async def test_a_bad_call_fails_alone_in_its_group():
     n = 16
     src, dst = HostBuffer(n * BLOCK), HostBuffer(n * BLOCK)
-    async with _pair(dst, src) as (target, eng):
+    async with engine_pair("tcp", dst, src) as (target, eng):
         src.fill_random()
         name = target.session_name
         bad = 5
@@ -107,7 +91,7 @@ async def test_a_bad_call_fails_alone_in_its_group():
 async def test_a_cancelled_call_leaves_its_group_intact():
     n = 16
     src, dst = HostBuffer(n * BLOCK), HostBuffer((n + 1) * BLOCK)
-    async with _pair(dst, src) as (target, eng):
+    async with engine_pair("tcp", dst, src) as (target, eng):
         src.fill_random()
         name = target.session_name
         await eng.transfer_sync_write(name, src.addr, dst.addr + n * BLOCK, 64)  # the session is open
@@ -131,7 +115,7 @@ async def test_a_lone_coroutine_goes_straight_to_the_core():
     n = 4 * coalesce.PROBE_EVERY
     block = 4096
     src, dst = HostBuffer(n * block), HostBuffer(n * block)
-    async with _pair(dst, src) as (target, eng):
+    async with engine_pair("tcp", dst, src) as (target, eng):
         src.fill_random()
         for i in range(n):
             await eng.transfer_sync_write(target.session_name, src.addr + i * block, dst.addr + i * block, block)

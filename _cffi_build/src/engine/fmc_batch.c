@@ -608,16 +608,22 @@ int fmc_transfer_start_one(fmc_peer *p, int opcode, uint64_t local, uint64_t rem
     return fmc_transfer_start(p, opcode, 1, &local, &remote, &len, poll_us, pending);
 }
 
-/* fmc_transfer_start of pack3's one buffer (see fmc_transfer_packed). */
-int fmc_transfer_start_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t poll_us,
-                              fmc_batch **pending)
+static int start_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t poll_us, fmc_batch **pending,
+                        int counted)
 {
     *pending = NULL;
     size_t slots;
     const uint64_t *local = packed_lists(packed, n, &slots);
     if (!local)
         return FMC_ERR_INVALID_ARGUMENT;
-    return fmc_transfer_start(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending);
+    return start_transfer(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending, counted);
+}
+
+/* fmc_transfer_start of pack3's one buffer (see fmc_transfer_packed). */
+int fmc_transfer_start_packed(fmc_peer *p, int opcode, int n, const char *packed, int64_t poll_us,
+                              fmc_batch **pending)
+{
+    return start_packed(p, opcode, n, packed, poll_us, pending, 1);
 }
 
 /* fmc_transfer_start_packed of several calls' ranges gathered into one batch (the async facade's
@@ -625,10 +631,5 @@ int fmc_transfer_start_packed(fmc_peer *p, int opcode, int n, const char *packed
 int fmc_transfer_start_group(fmc_peer *p, int opcode, int n, const char *packed, int64_t poll_us,
                              fmc_batch **pending)
 {
-    *pending = NULL;
-    size_t slots;
-    const uint64_t *local = packed_lists(packed, n, &slots);
-    if (!local)
-        return FMC_ERR_INVALID_ARGUMENT;
-    return start_transfer(p, opcode, n, local, local + slots, local + 2 * slots, poll_us, pending, 0);
+    return start_packed(p, opcode, n, packed, poll_us, pending, 0);
 }
