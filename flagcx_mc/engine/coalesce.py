@@ -17,13 +17,16 @@ grouping resumes.
 Each call's outcome is its own: the core keeps a status per task, so a group's failed task
 fails only the call it came from.  If the group cannot be started at all (one call's range is
 not registered on the peer, say), every call is started on its own instead, each meeting its
-own error.  A cancelled call returns once its group's batch has ended, as any cancelled
-transfer does; one cancelled before its group left is simply left out.
+own error.  A group's successes are counted together, the group's duration standing for each
+call's latency (the core counts calls, not groups).  A cancelled call returns once its group's
+batch has ended, as any cancelled transfer does; one cancelled before its group left is simply
+left out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from .. import errors
@@ -44,16 +47,18 @@ PROBE_EVERY = 64
 _TIMEOUT_CODE = errors.TransferTimeoutError.code
 
 Call = TransferRequest | SingleTransfer
-# (rc, why, counted): counted when the core has counted the call's success in the peer's stats.
-Outcome = tuple[int, str, bool]
+Outcome = tuple[int, str]  # (rc, why)
 Started = tuple[int, str, CoreBatch | None]
+# Counts successful calls: (target, opcode, calls, bytes, seconds each).
+Record = Callable[[str, int, int, int, float], None]
 
 
 class _Group:
-    __slots__ = ("session", "calls", "bytes", "tasks", "sent", "ended")
+    __slots__ = ("session", "target", "opcode", "started", "calls", "bytes", "tasks", "sent", "ended")
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, session: Session, target: str, opcode: int) -> None:
+        self.session, self.target, self.opcode = session, target, opcode
+        self.started = time.perf_counter()
         self.calls: list[tuple[Call, asyncio.Future]] = []
         self.bytes = self.tasks = 0
         self.sent = False
@@ -87,20 +92,23 @@ class Coalescer:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, start_alone: Callable[[Session, Call], Started],
                  start_group: Callable[[Session, TransferRequest], Started],
-                 wait: Callable[[CoreBatch, float], asyncio.Future], deadline: Callable[[int], float]) -> None:
+                 wait: Callable[[CoreBatch, float], asyncio.Future], deadline: Callable[[int], float],
+                 record: Record) -> None:
         self._loop = loop
         self._start_alone = start_alone  # a call as the engine starts one on its own; counted by the core
         self._start_group = start_group  # a merged request; never counted by the core
         self._wait = wait  # (batch, deadline) -> future of (rc, why): the poller's
         self._deadline = deadline  # bytes -> time.monotonic() deadline
+        self._record = record
         self._open: dict[tuple[int, int], _Group] = {}
         self.groups = 0  # groups of two or more calls sent as one batch
         self.grouped_calls = 0  # the calls in them
         self._lone = 0  # groups of one call in a row
         self._skipped = 0  # calls sent straight since the last probe
 
-    def join(self, session: Session, req: Call) -> tuple[asyncio.Future, _Group] | None:
-        """The call's future of an ``Outcome`` and its group; None: start it straight away."""
+    def join(self, target: str, session: Session, req: Call) -> tuple[asyncio.Future, _Group] | None:
+        """The call's future of its ``(rc, why)`` and its group; None: start it straight away
+        (``target``: the name the call was made to, for its count)."""
         key = (id(session.peer), req.opcode)
         group = self._open.get(key)
         if group is None or group.session is not session:
@@ -111,7 +119,7 @@ class Coalescer:
                 self._skipped = 0
             if group is not None:
                 self._send(key, group)
-            group = self._open[key] = _Group(session)
+            group = self._open[key] = _Group(session, target, req.opcode)
             self._loop.call_soon(self._send, key, group)
         future = self._loop.create_future()
         group.calls.append((req, future))
@@ -140,9 +148,9 @@ class Coalescer:
             if not calls:
                 ended.set_result(None)
             elif len(calls) == 1:
-                self._send_alone(group.session, *calls[0], ended)
+                self._send_alone(group, *calls[0], ended)
             else:
-                self._send_together(group.session, calls, ended)
+                self._send_together(group, calls, ended)
         except Exception as exc:  # the engine closed under the group, say: its callers see why
             for _, future in calls:
                 if not future.done():
@@ -150,40 +158,47 @@ class Coalescer:
             if not ended.done():
                 ended.set_result(None)
 
-    def _send_alone(self, session: Session, req: Call, future: asyncio.Future, ended: asyncio.Future) -> None:
-        rc, why, batch = self._start_alone(session, req)
-        if batch is None:
-            _resolve(future, (rc, why, rc == 0))
+    def _send_alone(self, group: _Group, req: Call, future: asyncio.Future, ended: asyncio.Future) -> None:
+        rc, why, batch = self._start_alone(group.session, req)
+        if batch is None:  # ended here: the core counted a success
+            _resolve(future, (rc, why))
             ended.set_result(None)
             return
 
         def done(waited: asyncio.Future) -> None:
-            rc, why = waited.result()
-            _resolve(future, (rc, why, False))
+            outcome = waited.result()
+            if outcome[0] == 0:
+                self._record(group.target, group.opcode, 1, req.total_bytes, time.perf_counter() - group.started)
+            _resolve(future, outcome)
             ended.set_result(None)
 
         self._wait(batch, self._deadline(req.total_bytes)).add_done_callback(done)
 
-    def _send_together(self, session: Session, calls: list[tuple[Call, asyncio.Future]],
+    def _send_together(self, group: _Group, calls: list[tuple[Call, asyncio.Future]],
                        ended: asyncio.Future) -> None:
         self.groups += 1
         self.grouped_calls += len(calls)
         merged = merge([req for req, _ in calls])
-        rc, why, batch = self._start_group(session, merged)
+        rc, why, batch = self._start_group(group.session, merged)
         if rc != 0:  # refused as a whole, or failed at once: each call on its own finds its outcome
             pending = [self._loop.create_future() for _ in calls]
             for (req, future), own_end in zip(calls, pending, strict=True):
-                self._send_alone(session, req, future, own_end)
+                self._send_alone(group, req, future, own_end)
             asyncio.gather(*pending).add_done_callback(lambda _: ended.set_result(None))
             return
         if batch is None:  # ended within the poll: all succeeded
+            seconds = time.perf_counter() - group.started
+            self._record(group.target, group.opcode, len(calls), merged.total_bytes, seconds)
             for _, future in calls:
-                _resolve(future, (0, "", False))
+                _resolve(future, (0, ""))
             ended.set_result(None)
             return
 
         def done(waited: asyncio.Future) -> None:
-            _resolve_each(calls, batch, waited.result())
+            seconds = time.perf_counter() - group.started
+            ok_calls, ok_bytes = _resolve_each(calls, batch, waited.result())
+            if ok_calls:
+                self._record(group.target, group.opcode, ok_calls, ok_bytes, seconds)
             ended.set_result(None)
 
         self._wait(batch, self._deadline(merged.total_bytes)).add_done_callback(done)
@@ -194,17 +209,23 @@ def _resolve(future: asyncio.Future, outcome: Outcome) -> None:
         future.set_result(outcome)
 
 
-def _resolve_each(calls: list[tuple[Call, asyncio.Future]], batch: CoreBatch, outcome: tuple[int, str]) -> None:
-    """Every call's share of its group's outcome: when the group failed, its own tasks' statuses."""
+def _resolve_each(calls: list[tuple[Call, asyncio.Future]], batch: CoreBatch,
+                  outcome: tuple[int, str]) -> tuple[int, int]:
+    """Every call's share of its group's outcome (when the group failed, its own tasks'
+    statuses); returns the calls that succeeded and their bytes."""
     rc, why = outcome
-    first = 0
+    first = ok_calls = ok_bytes = 0
     for req, future in calls:
-        own: Outcome = (0, "", False)
+        own: Outcome = (0, "")
         if rc != 0:
             for i in range(first, first + req.count):
                 status = batch.task_status(i)
                 if status != 0:  # its own failure; but cut at the group's deadline, a timeout
-                    own = (status if status < 0 and rc != _TIMEOUT_CODE else rc, why, False)
+                    own = (status if status < 0 and rc != _TIMEOUT_CODE else rc, why)
                     break
         first += req.count
+        if own[0] == 0:
+            ok_calls += 1
+            ok_bytes += req.total_bytes
         _resolve(future, own)
+    return ok_calls, ok_bytes

@@ -68,17 +68,19 @@ class EngineMetrics:
                 counts = self._core_counts[peer] = ffi.new("fmc_call_stats *")
             return counts
 
-    def record(self, peer: str, is_write: bool, nbytes: int, seconds: float, ok: bool) -> None:
+    def record(self, peer: str, is_write: bool, nbytes: int, seconds: float, ok: bool, calls: int = 1) -> None:
+        """``calls`` transfer calls to ``peer`` of ``nbytes`` in all, each taking ``seconds``
+        (several: the calls of one coalesced group, which end together)."""
         bucket = bisect.bisect_left(LATENCY_BUCKETS, seconds)
         with self._lock:
             stats = self._peers.get(peer)
             if stats is None:
                 stats = self._peers[peer] = PeerStats()
-            stats.transfers += 1
-            stats.latency_sum += seconds
-            stats.latency_buckets[bucket] += 1
+            stats.transfers += calls
+            stats.latency_sum += seconds * calls
+            stats.latency_buckets[bucket] += calls
             if not ok:
-                stats.failures += 1
+                stats.failures += calls
             elif is_write:
                 stats.bytes_written += nbytes
             else:

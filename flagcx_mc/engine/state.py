@@ -106,7 +106,8 @@ class EngineState:
         self.loop = loop
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
         self._completions = Completions(loop, lambda: self._executor)
-        self._coalescer = Coalescer(loop, self._start_one, self._start_group, self._hand_over, self._deadline)
+        self._coalescer = Coalescer(loop, self._start_one, self._start_group, self._hand_over, self._deadline,
+                                    self._record_calls)
         low, high = self.config.data_port_range or self.config.rpc_port_range
         try:
             store = (open_store(kind, url, timeout=self.config.handshake_timeout,
@@ -296,23 +297,19 @@ class EngineState:
                 return await self.run_blocking(req.run, session, self.config)  # the core counts a success
             rc, why, batch = self._start_one(session, req)
             return (rc, why) if batch is None else await self._await_alone(target, req, batch)
-        started = time.perf_counter()
         assert self._coalescer is not None
-        joined = self._coalescer.join(session, req)
+        joined = self._coalescer.join(target, session, req)
         if joined is None:
             rc, why, batch = self._start_one(session, req)
             return (rc, why) if batch is None else await self._await_alone(target, req, batch)
         future, group = joined
         try:
-            rc, why, counted = await future
+            return await future  # a success is counted by the coalescer
         except asyncio.CancelledError:
             # Wait for the group's end (its deadline bounds it) rather than cancel it: a cancel
             # cuts the stream, which would fail other calls riding on it.
             await _finish(asyncio.ensure_future(self._coalescer.finish_cancelled(group)))
             raise
-        if rc == 0 and not counted:
-            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
-        return rc, why
 
     def _start_one(self, session: Session, req: TransferRequest | SingleTransfer) -> tuple[int, str, CoreBatch | None]:
         """Start one call from the loop: ``(rc, why, None)`` if it ended here (a success is
@@ -344,6 +341,9 @@ class EngineState:
 
     def _poll_us(self, now: float) -> int:
         return LONE_POLL_US if self._awaiting == 0 or now >= self._poll_again_at else -1
+
+    def _record_calls(self, target: str, opcode: int, calls: int, nbytes: int, seconds: float) -> None:
+        self.metrics.record(target, opcode == OP_WRITE, nbytes, seconds, True, calls)
 
     def _deadline(self, nbytes: int) -> float:
         return time.monotonic() + self.config.timeout_for(nbytes)
