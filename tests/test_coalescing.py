@@ -1,6 +1,7 @@
 """Calls that coroutines start together over TCP leave as one batch (engine/coalesce.py): every
 call still gets its own bytes, its own error and its own count, a cancelled one returns only once
-its group has ended, and a lone coroutine's calls are not held back."""
+its group has ended, a peer killed under a group fails each call with a typed error, and a lone
+coroutine's calls are not held back."""
 from __future__ import annotations
 
 import asyncio
@@ -137,3 +138,35 @@ def test_merge_keeps_every_range_in_order():
     assert merged.packed == expected.packed
     singles = coalesce.merge([SingleTransfer(OP_WRITE, 1, 2, 3), SingleTransfer(OP_WRITE, 4, 5, 6)])
     assert singles.packed == TransferRequest.build(OP_WRITE, [1, 4], [2, 5], [3, 6]).packed
+
+
+async def test_a_peer_killed_under_a_group_fails_every_call_and_nothing_else():
+    """The peer dies (SIGKILL) while a group of calls is in flight to it: each call raises a
+    typed error well before its deadline, and the engine goes on with another peer."""
+    import os
+    import signal
+    import time
+
+    from flagcx_mc._testing.node import NodeProcess
+
+    n, block = 16, 1 << 20
+    node = NodeProcess(regions=[n * block], config={"transfer_timeout": 30.0})
+    src, dst = HostBuffer(n * block), HostBuffer(n * block)
+    try:
+        async with engine_pair("tcp", dst, src) as (target, eng):
+            await eng.transfer_sync_write(node.session, src.addr, node.addr(0), 4096)  # the session is open
+            await asyncio.to_thread(node.freeze)  # nothing is answered: the group stays in flight
+            calls = [asyncio.ensure_future(eng.transfer_sync_write(node.session, src.addr + i * block,
+                                                                   node.addr(0, i * block), block)) for i in range(n)]
+            await asyncio.sleep(0.2)
+            assert _grouped(eng)[0] >= 1 and not any(c.done() for c in calls)
+            t0 = time.monotonic()
+            os.kill(node.pid, signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
+            assert time.monotonic() - t0 < 10
+            assert all(isinstance(r, errors.PeerConnectionError) for r in results), results
+            src.fill_random()
+            await eng.transfer_sync_write(target.session_name, src.addr, dst.addr, n * block)  # another peer
+            assert dst.read(0, n * block) == src.read(0, n * block)
+    finally:
+        node.close()
