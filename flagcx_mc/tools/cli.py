@@ -107,10 +107,12 @@ def _run_async_bench(json_path: str, targets) -> int:
 
     from .bench.async_calls import run_async_bench
     from .bench.report import verdict
+    from .bench.targets import evaluate_targets
 
     rows = run_async_bench(loop="asyncio") + run_async_bench(loop="uvloop")
     result: dict = {"async_calls": rows, "targets": [], "verified": True, "errors": []}
-    _print_async_result(result, targets)
+    result["targets"] = evaluate_targets(targets, result) if targets else []
+    _print_async_result(result)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=1))
@@ -135,20 +137,18 @@ def _check_results(path: str, targets) -> int:
     if "rows" in result:
         print_report(result)
     else:  # written by --async: only the async facade's calls/s
-        _print_async_result(result, targets)
+        _print_async_result(result)
     return verdict(result)
 
 
-def _print_async_result(result: dict, targets) -> None:
-    """The async facade's table and its ``calls_ratio`` targets, evaluated into ``result``
-    (the other targets need the throughput sweep, which --async does not run)."""
+def _print_async_result(result: dict) -> None:
+    """The async facade's table and its ``calls_ratio`` targets, the only ones kept in
+    ``result`` (the others need the throughput sweep, which --async does not run)."""
     from .bench.async_calls import print_async_report
     from .bench.report import print_targets
-    from .bench.targets import evaluate_targets
 
     print_async_report(result["async_calls"])
-    result["targets"] = [t for t in evaluate_targets(targets, result) if t["metric"].startswith("calls_ratio:")] \
-        if targets else []
+    result["targets"] = [t for t in result["targets"] if t["metric"].startswith("calls_ratio:")]
     print_targets(result["targets"])
 
 
