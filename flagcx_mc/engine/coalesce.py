@@ -35,7 +35,7 @@ from .._core import CoreBatch
 from .requests import SingleTransfer, TransferRequest
 from .sessions import Session
 
-__all__ = ["Coalescer", "merge"]
+__all__ = ["Coalescer", "finish_cancelled", "merge"]
 
 # A group holds at most this much: a larger one gains nothing from more company, and the calls
 # of a group end together, so a small call should not wait behind megabytes.
@@ -129,12 +129,6 @@ class Coalescer:
             self._send(key, group)
         return future, group
 
-    async def finish_cancelled(self, group: _Group) -> None:
-        """Returns once nothing more touches the buffers of a call of ``group`` whose awaiting
-        task was cancelled."""
-        if group.ended is not None:
-            await asyncio.shield(group.ended)
-
     def _send(self, key: tuple[int, int], group: _Group) -> None:
         if group.sent:
             return
@@ -202,6 +196,13 @@ class Coalescer:
             ended.set_result(None)
 
         self._wait(batch, self._deadline(merged.total_bytes)).add_done_callback(done)
+
+
+async def finish_cancelled(group: _Group) -> None:
+    """Returns once nothing more touches the buffers of a call of ``group`` whose awaiting task
+    was cancelled (at once if the group had not left yet: the call was left out)."""
+    if group.ended is not None:
+        await asyncio.shield(group.ended)
 
 
 def _resolve(future: asyncio.Future, outcome: Outcome) -> None:

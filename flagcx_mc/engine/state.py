@@ -29,7 +29,7 @@ from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
 from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
-from .coalesce import Coalescer
+from .coalesce import Coalescer, finish_cancelled
 from .completions import Completions
 from .managed import ManagedPool
 from .metrics import EngineMetrics
@@ -253,9 +253,9 @@ class EngineState:
     def stats(self) -> dict:
         core = self.require_core()
         grouped = self._coalescer
+        assert grouped is not None  # made before the core
         return {**core.stats(), "session": self.session_name, "rpc_port": self.rpc_port, "data_port": core.data_port,
-                "call_groups": grouped.groups if grouped else 0,
-                "grouped_calls": grouped.grouped_calls if grouped else 0, **self.metrics.snapshot()}
+                "call_groups": grouped.groups, "grouped_calls": grouped.grouped_calls, **self.metrics.snapshot()}
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], Any] | None = None) -> T:
         """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop.
@@ -291,24 +291,24 @@ class EngineState:
         for its batch to end (done, or cancelled by the poller at its deadline) before
         ``CancelledError`` propagates, so nothing touches either side's buffers after it
         returns."""
-        peer = session.peer
-        if peer.same_host:
+        if session.peer.same_host:
             if req.total_bytes > INLINE_COPY_BYTES:
                 return await self.run_blocking(req.run, session, self.config)  # the core counts a success
-            rc, why, batch = self._start_one(session, req)
-            return (rc, why) if batch is None else await self._await_alone(target, req, batch)
-        assert self._coalescer is not None
-        joined = self._coalescer.join(target, session, req)
+            joined = None
+        else:
+            assert self._coalescer is not None
+            joined = self._coalescer.join(target, session, req)
         if joined is None:
+            started = time.perf_counter()
             rc, why, batch = self._start_one(session, req)
-            return (rc, why) if batch is None else await self._await_alone(target, req, batch)
+            return (rc, why) if batch is None else await self._await_alone(target, req, batch, started)
         future, group = joined
         try:
             return await future  # a success is counted by the coalescer
         except asyncio.CancelledError:
             # Wait for the group's end (its deadline bounds it) rather than cancel it: a cancel
             # cuts the stream, which would fail other calls riding on it.
-            await _finish(asyncio.ensure_future(self._coalescer.finish_cancelled(group)))
+            await _finish(asyncio.ensure_future(finish_cancelled(group)))
             raise
 
     def _start_one(self, session: Session, req: TransferRequest | SingleTransfer) -> tuple[int, str, CoreBatch | None]:
@@ -320,27 +320,25 @@ class EngineState:
         4 KiB calls 1.3-1.8x faster).  Once a poll has run out while other calls are waiting
         (a slow peer, large calls, a busy host), calls go to the threads until the loop's
         calls drain or POLL_RETRY_S has passed: a failed poll costs the loop LONE_POLL_US."""
-        started = time.perf_counter()
-        poll_us = self._poll_us(started)
-        rc, why, batch = req.start(session, poll_us)
-        if poll_us > 0 and batch is not None:
-            self._poll_again_at = started + POLL_RETRY_S
-        return rc, why, batch
+        return self._polled(req.start, session)
 
     def _start_group(self, session: Session, req: TransferRequest) -> tuple[int, str, CoreBatch | None]:
         """``_start_one`` of several calls merged into ``req``; the core does not count it (the
         facade counts each call).  A group of up to 256 KiB is polled for like a lone small call
         (16 coroutines of 4 KiB: 1.6x the calls/s of leaving it to the poller on 16 cores); the
         core never polls for a larger one."""
+        return self._polled(session.peer.start_group, req.opcode, req.count, req.packed)
+
+    def _polled(self, start: Callable[..., tuple[int, str, CoreBatch | None]],
+                *args: Any) -> tuple[int, str, CoreBatch | None]:
+        """``start(*args, poll_us)``, polling on the loop unless a poll ran out lately with
+        calls waiting."""
         started = time.perf_counter()
-        poll_us = self._poll_us(started)
-        rc, why, batch = session.peer.start_group(req.opcode, req.count, req.packed, poll_us)
+        poll_us = LONE_POLL_US if self._awaiting == 0 or started >= self._poll_again_at else -1
+        rc, why, batch = start(*args, poll_us)
         if poll_us > 0 and batch is not None:
             self._poll_again_at = started + POLL_RETRY_S
         return rc, why, batch
-
-    def _poll_us(self, now: float) -> int:
-        return LONE_POLL_US if self._awaiting == 0 or now >= self._poll_again_at else -1
 
     def _record_calls(self, target: str, opcode: int, calls: int, nbytes: int, seconds: float) -> None:
         self.metrics.record(target, opcode == OP_WRITE, nbytes, seconds, True, calls)
@@ -360,10 +358,10 @@ class EngineState:
     def _handed_back(self, _future: asyncio.Future) -> None:
         self._awaiting -= 1
 
-    async def _await_alone(self, target: str, req: TransferRequest | SingleTransfer,
-                           batch: CoreBatch) -> tuple[int, str]:
-        """The outcome of a call started alone that did not end on the loop, through the poller."""
-        started = time.perf_counter()
+    async def _await_alone(self, target: str, req: TransferRequest | SingleTransfer, batch: CoreBatch,
+                           started: float) -> tuple[int, str]:
+        """The outcome of a call started alone (at ``perf_counter()`` ``started``) that did not
+        end on the loop, through the poller."""
         future = self._hand_over(batch, self._deadline(req.total_bytes))
         try:
             outcome = await asyncio.shield(future)  # (rc, why)
