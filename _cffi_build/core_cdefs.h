@@ -77,7 +77,7 @@ typedef struct {
     int prefault;        /* FMC_PREFAULT_*: what registration does to host memory's pages */
     int vectors;         /* offer vector requests to the targets this engine connects to */
     int spin_us;         /* poll up to this long before sleeping, after small transfers (0..10000) */
-    int copy_threads;    /* threads that copy one large same-host call (0: online cores; at most 4) */
+    int copy_threads;    /* threads that copy one large same-host call (0: the CPUs this process may run on; at most 4) */
     int zerocopy;        /* vmsplice + splice for large write payloads and read answers */
     int gpu_copy;        /* FMC_GPU_COPY_*: how scattered GPU blocks are staged for TCP */
     uint64_t gpu_staging; /* bytes of pinned staging chunks GPU memory crosses TCP through */

@@ -247,7 +247,7 @@ class EngineConfig:
     prefault: str = "touched"            # registration and huge pages: touched, all or off (prefault_mode)
     vectors: bool = True                 # send runs of small slices as vector requests where targets take them
     spin_us: int = 30                    # poll this long (µs) before sleeping after small transfers; 0: never
-    copy_threads: int = 0                # threads copying one large same-host call; 0: online cores (at most 4)
+    copy_threads: int = 0                # threads copying one large same-host call; 0: the CPUs this process may run on (at most 4)
     zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
     gpu_copy: str = "auto"               # staging scattered GPU blocks for TCP: auto, kernel, batch or single
     gpu_staging: int = 64 << 20          # bytes of pinned staging chunks GPU memory crosses TCP through
@@ -321,7 +321,7 @@ class EngineConfig:
         if not 0 <= self.spin_us <= 10000:
             raise InvalidArgumentError("spin_us must be in 0..10000")
         if not 0 <= self.copy_threads <= 4:
-            raise InvalidArgumentError("copy_threads must be in 0..4 (0: the online cores)")
+            raise InvalidArgumentError("copy_threads must be in 0..4 (0: the CPUs this process may run on)")
         if self.gpu_copy not in GPU_COPY_MODES:
             raise InvalidArgumentError(f"gpu_copy must be one of {', '.join(GPU_COPY_MODES)}, not {self.gpu_copy!r}")
         if not (4 << 20) <= self.gpu_staging <= (16 << 30):

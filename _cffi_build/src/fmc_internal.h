@@ -353,6 +353,7 @@ struct fmc_engine {
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
     fmc_options opts;         /* set at creation, never changed */
+    int cores;                /* CPUs this process may run on, at creation (at least 1) */
     fmc_stage_pool stage;     /* GPU staging chunks for TCP (cuda/fmc_stage_pool.c) */
     pthread_mutex_t log_mu;
     char log[FMC_LOG_CAP];

@@ -150,10 +150,15 @@ static int start_stream(fmc_peer *p, uint64_t bytes)
  * stream to work (on the target, each stream's bytes are received by one thread, so a 4 MiB batch
  * cut in 1 MiB runs kept 4 of 8 streams busy and ran no faster with more), but at least
  * FMC_SMALL_TRANSFER_BYTES, below which a second stream costs more wake-ups than it saves, and at
- * most slice_size. */
+ * most slice_size.  The share is of at most as many streams as this process has CPUs: each
+ * stream's bytes wake a sender and a receiver thread, and on 2 CPUs a 1 MiB batch over 2 of
+ * 4 streams took 206 instead of 230 us with a quarter less CPU (larger batches still reach
+ * every stream, slice_size at a time). */
 static uint64_t stream_run_bytes(const fmc_peer *p, uint64_t total)
 {
-    uint64_t share = (total + (uint64_t)p->nstreams - 1) / (uint64_t)p->nstreams;
+    int cores = p->engine->cores;
+    uint64_t spread = (uint64_t)(p->nstreams < cores ? p->nstreams : cores);
+    uint64_t share = (total + spread - 1) / spread;
     if (share < FMC_SMALL_TRANSFER_BYTES)
         share = FMC_SMALL_TRANSFER_BYTES;
     return share < p->slice_size ? share : p->slice_size;

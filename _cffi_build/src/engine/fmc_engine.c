@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,16 @@
 
 const char *fmc_version(void) { return FMC_VERSION; }
 int fmc_data_header_size(void) { return FMC_REQ_SIZE; }
+
+/* CPUs this process may run on (its affinity mask, else the online ones). */
+static int usable_cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
+}
 
 void fmc_options_default(fmc_options *o)
 {
@@ -54,10 +65,9 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
         fmc_options_default(&e->opts);
     e->opts.local_cc[sizeof e->opts.local_cc - 1] = '\0';
     e->opts.spin_us = e->opts.spin_us < 0 ? 0 : e->opts.spin_us > 10000 ? 10000 : e->opts.spin_us;
-    if (e->opts.copy_threads <= 0) { /* the online cores */
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        e->opts.copy_threads = (int)(cores > 0 ? cores : 1);
-    }
+    e->cores = usable_cores();
+    if (e->opts.copy_threads <= 0)
+        e->opts.copy_threads = e->cores;
     if (e->opts.copy_threads > FMC_SH_WORDS_PER_PEER)
         e->opts.copy_threads = FMC_SH_WORDS_PER_PEER;
     fmc_stage_pool_init(&e->stage, e->opts.gpu_staging);

@@ -306,9 +306,10 @@ static void pool_after_fork(void)
 static void pool_register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
 
 /* Threads that copy one call: the engine's copy_threads (FLAGCX_MC_COPY_THREADS), by default
- * the online cores, at most SH_MAX_PARTS (resolved at engine creation).  The helper threads are
- * one pool for the process, started as calls need them; a call posts at most its own engine's
- * count less one (the calling thread copies a part too), so engines in one process may differ. */
+ * the CPUs this process may run on, at most SH_MAX_PARTS (resolved at engine creation).  The
+ * helper threads are one pool for the process, started as calls need them; a call posts at most
+ * its own engine's count less one (the calling thread copies a part too), so engines in one
+ * process may differ. */
 static int copy_threads(const fmc_engine *e)
 {
     int v = e->opts.copy_threads;
