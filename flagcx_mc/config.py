@@ -247,7 +247,7 @@ class EngineConfig:
     prefault: str = "touched"            # registration and huge pages: touched, all or off (prefault_mode)
     vectors: bool = True                 # send runs of small slices as vector requests where targets take them
     spin_us: int = 30                    # poll this long (µs) before sleeping after small transfers; 0: never
-    copy_threads: int = 0                # threads copying one large same-host call; 0: the CPUs this process may run on (at most 4)
+    copy_threads: int = 0                # threads copying one large same-host call; 0: this process's CPUs (at most 4)
     zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
     gpu_copy: str = "auto"               # staging scattered GPU blocks for TCP: auto, kernel, batch or single
     gpu_staging: int = 64 << 20          # bytes of pinned staging chunks GPU memory crosses TCP through
