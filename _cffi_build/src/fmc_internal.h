@@ -190,9 +190,10 @@ int fmc_cuda_wait(int device);
 int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device);
 /* The same for staging (one side pinned host memory, which the kernel reaches by unified
  * addressing): `mode` (fmc_options.gpu_copy) picks the copy kernel (many entries in one launch;
- * runs of 32 KiB or more on the copy engines in auto), the driver's batched copy, or one copy per
- * run.  Then fmc_cuda_wait, which waits for this thread's copies only. */
-int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device, int mode);
+ * in auto, runs of 32 KiB or more into GPU memory (`into_gpu`), 16 KiB or more out of it, on the
+ * copy engines), the driver's batched copy, or one copy per run.  Then fmc_cuda_wait, which
+ * waits for this thread's copies only. */
+int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device, int mode, int into_gpu);
 
 /* A point in this thread's copy stream on one device (events where the driver has them): recorded
  * behind the copies this thread queued so far, then waited for by the same thread, so that a

@@ -459,12 +459,19 @@ static void *copy_kernel(int device)
     return k;
 }
 
-/* In auto mode, runs of at least this many bytes go to the copy engines (the driver's batch).
- * On the H200 (two processes on one GPU, pipelined staging, 1024 blocks a call, GPU to GPU):
- * 16 KiB blocks at random ids moved faster through the kernel from one caller (13.7 against
- * 9.7 GB/s written) though slower from 10 (8.3 against 11.3); 32 KiB blocks moved faster
- * through the batch from one caller and from 10 (15.6 against 12.2, 14.5 against 11.9). */
-#define FMC_KERNEL_MAX_RUN (32u << 10)
+/* In auto mode, runs of at least this many bytes go to the copy engines (the driver's batch):
+ * 32 KiB into GPU memory, 16 KiB out of it.  On the H200 (two processes on one GPU, pipelined
+ * staging, 1024 blocks a call): 32 KiB blocks moved faster through the batch both ways, from one
+ * caller and from 10 (15.6 against 12.2, 14.5 against 11.9 GB/s GPU to GPU).  At 16 KiB the
+ * kernel's scatters into GPU memory were as fast or faster; its gathers out of GPU memory were
+ * faster from one caller (GPU to host memory 17.7 against 11.1-12.7 GB/s written, GPU to GPU
+ * 12.6-13.1 against 8.4-9.4) but fell far behind under 10 concurrent callers (GPU to GPU
+ * 7.0-7.2 against 8.9-9.5 written, 4.8-4.9 against 9.1-9.7 read, with twice the CPU spent
+ * waiting for them).  Telling the two cases apart by other batches queued on a stream (and a
+ * request flag for the target's gathers) measured no better, so gathers of 16 KiB take the
+ * copy engines always: the worst case is the concurrent one. */
+#define FMC_KERNEL_MAX_RUN_IN (32u << 10)
+#define FMC_KERNEL_MAX_RUN_OUT (16u << 10)
 
 typedef struct {
     uint64_t dst, src, len;
@@ -484,7 +491,7 @@ static int launch_entries(void *kernel, void *stream, const kernel_entry *e, int
     return cu.launch_kernel(kernel, gx, (unsigned int)n, 1, 256, 1, 1, 0, stream, args, NULL) == 0 ? 0 : -1;
 }
 
-int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device, int mode)
+int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device, int mode, int into_gpu)
 {
     /* Neighbours contiguous on both sides become one copy (KV pages often are). */
     int m = 0;
@@ -506,9 +513,10 @@ int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int 
         /* Small runs go to the kernel; in auto, long ones stay in the arrays (compacted to the
          * front) for the copy engines below. */
         kernel_entry e[FMC_KERNEL_ENTRIES];
+        uint64_t max_run = into_gpu ? FMC_KERNEL_MAX_RUN_IN : FMC_KERNEL_MAX_RUN_OUT;
         int k = 0, big = 0, rc = 0;
         for (int i = 0; i < m && rc == 0; i++) {
-            if (len[i] >= FMC_KERNEL_MAX_RUN && mode == FMC_GPU_COPY_AUTO) {
+            if (len[i] >= max_run && mode == FMC_GPU_COPY_AUTO) {
                 dst[big] = dst[i];
                 src[big] = src[i];
                 len[big++] = len[i];
@@ -545,7 +553,7 @@ int fmc_cuda_gather_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int 
 
 int fmc_cuda_copy_many_async(uint64_t *dst, uint64_t *src, size_t *len, int n, int device)
 {
-    return fmc_cuda_gather_async(dst, src, len, n, device, FMC_GPU_COPY_BATCH);
+    return fmc_cuda_gather_async(dst, src, len, n, device, FMC_GPU_COPY_BATCH, 0);
 }
 
 int fmc_cuda_wait(int device)

@@ -305,7 +305,7 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
             sc->iov[x].iov_base = k->buf + off;
             off += sc->iov[x].iov_len;
         }
-        p->failed = fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, m, dev, mode) != FMC_OK ||
+        p->failed = fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, m, dev, mode, 0) != FMC_OK ||
                     fmc_cuda_fence_record(p->fence, dev) != FMC_OK;
         FMC_TR(FMC_TR_GATHER, st->fd, m);
         count++;
@@ -681,7 +681,8 @@ static rx_piece *rx_push(fmc_stream *st, rx_ring *r, fmc_chunk *k, int dev, uint
     p->first = NULL;
     p->nslices = 0;
     int mode = k->pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
-    p->failed = fmc_cuda_gather_async(dst, src, len, n, dev, mode) != FMC_OK || fmc_cuda_fence_record(&p->fence, dev) != FMC_OK;
+    p->failed = fmc_cuda_gather_async(dst, src, len, n, dev, mode, 1) != FMC_OK ||
+                fmc_cuda_fence_record(&p->fence, dev) != FMC_OK;
     return p;
 }
 
