@@ -29,8 +29,9 @@ __all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "default_streams"
 log = logging.getLogger(__name__)
 
 # How GPU blocks are staged through pinned host memory for TCP (fmc_options.gpu_copy): the copy
-# kernel for runs under 32 KiB and the driver's batched copy for longer ones (auto), the kernel
-# for every run (kernel), the driver's batched copy (batch), one copy per run (single).  Runs of
+# kernel for scatters into GPU memory of runs under 32 KiB and gathers out of it under 16 KiB,
+# the driver's batched copy for longer ones (auto), the kernel for every run (kernel), the
+# driver's batched copy (batch), one copy per run (single).  Runs of
 # adjacent blocks are one copy in every mode.
 GPU_COPY_MODES = ("auto", "kernel", "batch", "single")
 
