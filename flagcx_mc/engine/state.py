@@ -369,7 +369,7 @@ class EngineState:
             await _finish(future)  # the batch's end: its deadline bounds it
             raise
         if outcome[0] == 0:  # batches ended by the poller are not counted by the core: count here
-            self.metrics.record(target, req.opcode == OP_WRITE, req.total_bytes, time.perf_counter() - started, True)
+            self._record_calls(target, req.opcode, 1, req.total_bytes, time.perf_counter() - started)
         return outcome
 
     async def submit_batch(self, req: TransferRequest | SingleTransfer, session: Session) -> CoreBatch:
