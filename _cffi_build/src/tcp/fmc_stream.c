@@ -212,15 +212,18 @@ typedef struct {
     int failed;
 } send_piece;
 
-/* A piece leaves once its gather has landed: 0, or < 0 as send_range (-1 if the copy failed). */
+/* A piece leaves once its gather has landed, and its chunk goes back to the pool either way:
+ * 0, or < 0 as send_range (-1 if the copy failed). */
 static int send_piece_now(fmc_stream *st, send_scratch *sc, const send_piece *p, int64_t deadline_ms)
 {
+    int rc = -1;
     FMC_TR(FMC_TR_FENCE_WAIT, st->fd, 0);
-    if (p->failed || fmc_cuda_fence_wait(p->fence) != FMC_OK)
-        return -1;
-    FMC_TR(FMC_TR_FENCED, st->fd, 0);
-    int rc = send_range(st, sc, p->from, p->to, deadline_ms);
-    FMC_TR(FMC_TR_SENT, st->fd, p->to - p->from);
+    if (!p->failed && fmc_cuda_fence_wait(p->fence) == FMC_OK) {
+        FMC_TR(FMC_TR_FENCED, st->fd, 0);
+        rc = send_range(st, sc, p->from, p->to, deadline_ms);
+        FMC_TR(FMC_TR_SENT, st->fd, p->to - p->from);
+    }
+    fmc_stage_put(&st->peer->engine->stage, p->chunk);
     return rc;
 }
 
@@ -246,7 +249,7 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         i++;
     }
     send_piece ring[FMC_STAGE_DEPTH];
-    int head = 0, count = 0, sent = 0, rc = 0, slot = 0;
+    int head = 0, count = 0, rc = 0, slot = 0;
     for (int v = 0; v < niov && rc == 0;) {
         /* The next piece: from v to just before the next GPU payload that does not fit. */
         int dev = -1, to = v;
@@ -260,15 +263,10 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
             staged += sc->iov[to].iov_len;
         }
         if (dev < 0) { /* no GPU payload left: the rest goes after the pieces before it */
-            for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
-                send_piece *p = &ring[head];
-                rc = send_piece_now(st, sc, p, deadline_ms);
-                fmc_stage_put(pool, p->chunk);
-                sent = p->to;
-            }
+            for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH)
+                rc = send_piece_now(st, sc, &ring[head], deadline_ms);
             if (rc == 0)
                 rc = send_range(st, sc, v, niov, deadline_ms);
-            sent = niov;
             break;
         }
         fmc_chunk *k = NULL;
@@ -281,10 +279,7 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
                 rc = deadline_ms >= 0 && fmc_now_ms() >= deadline_ms ? -2 : -1;
                 break;
             }
-            send_piece *p = &ring[head]; /* send the oldest piece, then ask again */
-            rc = send_piece_now(st, sc, p, deadline_ms);
-            fmc_stage_put(pool, p->chunk);
-            sent = p->to;
+            rc = send_piece_now(st, sc, &ring[head], deadline_ms); /* the oldest piece, then ask again */
             head = (head + 1) % FMC_STAGE_DEPTH;
             count--;
         }
@@ -311,12 +306,8 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         count++;
         v = to;
         if (to == niov) { /* the last piece: send everything in order */
-            for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH) {
-                send_piece *q = &ring[head];
-                rc = send_piece_now(st, sc, q, deadline_ms);
-                fmc_stage_put(pool, q->chunk);
-                sent = q->to;
-            }
+            for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH)
+                rc = send_piece_now(st, sc, &ring[head], deadline_ms);
         }
     }
     /* Stopped early: no copy may still write a chunk that goes back to the pool. */
@@ -324,7 +315,6 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         fmc_cuda_fence_wait(ring[head].fence);
         fmc_stage_put(pool, ring[head].chunk);
     }
-    (void)sent;
     return rc;
 }
 
