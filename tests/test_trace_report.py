@@ -64,6 +64,27 @@ def test_two_processes_make_one_timeline(tmp_path, capsys):
     assert tr.main([prefix]) == 0 and "--- call 1: 60 us" in capsys.readouterr().out
 
 
+def test_stream_spread_shows_slow_streams(tmp_path):
+    # One 100 us call; stream 7 starts at 5 us and sends 10-40, stream 8 starts at 20 and
+    # sends 50-60 and 70-90 (two pieces).  Events outside the call do not count.
+    _dump(tmp_path / "t.1", [
+        (0, 1, 1, 2, 0),
+        (5_000, 2, 10, 7, 1), (10_000, 2, 12, 7, 0), (40_000, 2, 13, 7, 1),
+        (20_000, 3, 10, 8, 1), (21_000, 3, 10, 8, 1), (50_000, 3, 12, 8, 0), (60_000, 3, 13, 8, 1),
+        (70_000, 3, 12, 8, 0), (90_000, 3, 13, 8, 1),
+        (100_000, 1, 2, 0, 0),
+        (150_000, 2, 10, 7, 1), (160_000, 2, 13, 7, 1),
+    ])
+    events = tr.read_events(str(tmp_path / "t"))
+    spread = tr.stream_spread(events, tr.calls(events))
+    assert spread == {"first stream starts": 5.0, "last stream starts": 20.0, "first stream done": 40.0,
+                      "last stream done": 90.0, "sending share": (30 + 10 + 20) / (2 * 100), "streams": 2}
+    out = io.StringIO()
+    tr.report(events, out=out)
+    assert "2 streams; they start at 5-20 us, finish at 40-90 us, sending 30% of the call" in out.getvalue()
+    assert tr.stream_spread(events[:1] + events[10:11], tr.calls(events)) == {}  # no pipeline events
+
+
 def test_no_trace_files_says_why(tmp_path, capsys):
     assert tr.main([str(tmp_path / "none")]) == 1
     assert "built with -DFMC_TRACE" in capsys.readouterr().err

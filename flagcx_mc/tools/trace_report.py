@@ -9,8 +9,10 @@ process.  This reads those files::
     python -m flagcx_mc.tools.trace_report PREFIX [--call N]
 
 and prints each call's duration, how long the paired steps took (wait for a gather, send a
-piece, receive a piece, wait for its copy, send answers) and the timeline of one call (the
-middle one unless ``--call`` says which), every process's events on one clock.
+piece, receive a piece, wait for its copy, send answers), how the GPU send pipeline's streams
+shared each call (when the first and the last stream started and finished, how much of the call
+they spent sending) and the timeline of one call (the middle one unless ``--call`` says which),
+every process's events on one clock.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from collections import defaultdict
 from typing import IO
 
-__all__ = ["EVENTS", "Event", "calls", "main", "read_events", "report", "step_durations"]
+__all__ = ["EVENTS", "Event", "calls", "main", "read_events", "report", "step_durations", "stream_spread"]
 
 # enum fmc_trace_event, by value (tests/test_trace_report.py keeps them in step).
 EVENTS = {
@@ -95,6 +97,52 @@ def step_durations(events: list[Event]) -> dict[str, list[float]]:
     return out
 
 
+# The send pipeline's events, which name their stream's socket in ``a``.
+_SEND_EVENTS = ("GATHER", "FENCE_WAIT", "FENCED", "SENT")
+
+
+def stream_spread(events: list[Event], spans: list[tuple[Event, Event]]) -> dict[str, float]:
+    """How the send pipeline's streams shared the calls: the median over calls (those with
+    pipeline events) of each figure, in microseconds from the call's start, or as a share.
+
+    ``first stream starts`` / ``last stream starts``: a stream's first gather queued;
+    ``first stream done`` / ``last stream done``: its last piece sent; ``sending share``: the
+    time its streams spent sending pieces (gather landed to piece sent), summed and divided by
+    streams x the call's duration.  Streams that finish far apart, or a small share, mean the
+    call waited on a few slow streams or on the gathers rather than on the wire."""
+    figures: dict[str, list[float]] = defaultdict(list)
+    send = [e for e in events if e.name in _SEND_EVENTS]
+    for start, end in spans:
+        per_stream: dict[tuple[int, int], list[Event]] = defaultdict(list)
+        for e in send:
+            if start.t_ns <= e.t_ns <= end.t_ns:
+                per_stream[(e.pid, e.a)].append(e)
+        starts, finishes, busy = [], [], 0
+        for stream_events in per_stream.values():
+            gathers = [e.t_ns for e in stream_events if e.name == "GATHER"]
+            sent = [e.t_ns for e in stream_events if e.name == "SENT"]
+            if not gathers or not sent:
+                continue
+            starts.append(min(gathers) - start.t_ns)
+            finishes.append(max(sent) - start.t_ns)
+            landed = None
+            for e in stream_events:
+                if e.name == "FENCED":
+                    landed = e.t_ns
+                elif e.name == "SENT" and landed is not None:
+                    busy += e.t_ns - landed
+                    landed = None
+        if not starts:
+            continue
+        figures["first stream starts"].append(min(starts) / 1e3)
+        figures["last stream starts"].append(max(starts) / 1e3)
+        figures["first stream done"].append(min(finishes) / 1e3)
+        figures["last stream done"].append(max(finishes) / 1e3)
+        figures["sending share"].append(busy / (len(starts) * (end.t_ns - start.t_ns)))
+        figures["streams"].append(len(starts))
+    return {name: statistics.median(values) for name, values in figures.items()}
+
+
 def report(events: list[Event], call: int | None = None, out: IO[str] | None = None) -> None:
     out = out or sys.stdout
     spans = calls(events)
@@ -106,6 +154,12 @@ def report(events: list[Event], call: int | None = None, out: IO[str] | None = N
               f"mean {statistics.mean(values):9.1f}  max {max(values):9.1f}", file=out)
     if not spans:
         return
+    spread = stream_spread(events, spans)
+    if spread:
+        print(f"send pipeline, median of calls: {spread['streams']:.0f} streams; they start at "
+              f"{spread['first stream starts']:.0f}-{spread['last stream starts']:.0f} us, finish at "
+              f"{spread['first stream done']:.0f}-{spread['last stream done']:.0f} us, "
+              f"sending {spread['sending share']:.0%} of the call", file=out)
     index = len(spans) // 2 if call is None else call
     start, end = spans[index]
     print(f"--- call {index}: {(end.t_ns - start.t_ns) / 1e3:.0f} us, time from its start", file=out)
