@@ -240,6 +240,12 @@ void fmc_stage_pool_free(fmc_stage_pool *p);
  * non-zero.  NULL if none. */
 fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadline_ms, const int *stop);
 void fmc_stage_put(fmc_stage_pool *p, fmc_chunk *c);
+/* Queue one piece's copies between `device` and `chunk` (fmc_cuda_gather_async: into GPU memory
+ * if `into_gpu`, else out of it) and record `fence` behind them; FMC_OK if both are queued.  The
+ * engine's gpu_copy picks how; a chunk that is not pinned takes the driver's batch (the kernel
+ * cannot reach it). */
+int fmc_stage_copy(const fmc_engine *e, const fmc_chunk *chunk, fmc_fence *fence, uint64_t *dst, uint64_t *src,
+                   size_t *len, int n, int device, int into_gpu);
 
 /* A growable host buffer through which GPU bytes cross the network. */
 typedef struct {

@@ -106,3 +106,11 @@ void fmc_stage_put(fmc_stage_pool *p, fmc_chunk *k)
     if (wake)
         pthread_cond_broadcast(&p->cv);
 }
+
+int fmc_stage_copy(const fmc_engine *e, const fmc_chunk *chunk, fmc_fence *fence, uint64_t *dst, uint64_t *src,
+                   size_t *len, int n, int device, int into_gpu)
+{
+    int mode = chunk->pinned ? e->opts.gpu_copy : FMC_GPU_COPY_BATCH;
+    int rc = fmc_cuda_gather_async(dst, src, len, n, device, mode, into_gpu);
+    return rc != FMC_OK ? rc : fmc_cuda_fence_record(fence, device);
+}

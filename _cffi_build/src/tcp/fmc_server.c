@@ -614,9 +614,7 @@ static int piece_end(fmc_region *const *reg, const uint64_t *len, int i, int n, 
  * between GPU memory and the chunk, and fence it. */
 static void piece_copy(fmc_conn_state *cs, fmc_landing *l, uint64_t *dst, uint64_t *src, size_t *sz, int m)
 {
-    int mode = l->chunk->pinned ? cs->e->opts.gpu_copy : FMC_GPU_COPY_BATCH;
-    l->failed = fmc_cuda_gather_async(dst, src, sz, m, l->dev, mode, !l->is_read) != FMC_OK ||
-                fmc_cuda_fence_record(&l->fence, l->dev) != FMC_OK;
+    l->failed = fmc_stage_copy(cs->e, l->chunk, &l->fence, dst, src, sz, m, l->dev, !l->is_read) != FMC_OK;
 }
 
 /* A vector write with GPU entries, all its entries pinned or refused: piece by piece, the

@@ -288,7 +288,6 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         send_piece *p = &ring[(head + count) % FMC_STAGE_DEPTH];
         *p = (send_piece){.from = v, .to = to, .chunk = k, .fence = &st->send_fence[slot]};
         slot = (slot + 1) % FMC_STAGE_DEPTH;
-        int mode = k->pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
         int m = 0;
         size_t off = 0;
         for (int x = v; x < to; x++) {
@@ -300,8 +299,8 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
             sc->iov[x].iov_base = k->buf + off;
             off += sc->iov[x].iov_len;
         }
-        p->failed = fmc_cuda_gather_async(sc->copy_dst, sc->copy_src, sc->copy_len, m, dev, mode, 0) != FMC_OK ||
-                    fmc_cuda_fence_record(p->fence, dev) != FMC_OK;
+        p->failed = fmc_stage_copy(st->peer->engine, k, p->fence, sc->copy_dst, sc->copy_src, sc->copy_len, m, dev,
+                                   0) != FMC_OK;
         FMC_TR(FMC_TR_GATHER, st->fd, m);
         count++;
         v = to;
@@ -670,9 +669,7 @@ static rx_piece *rx_push(fmc_stream *st, rx_ring *r, fmc_chunk *k, int dev, uint
     p->chunk = k;
     p->first = NULL;
     p->nslices = 0;
-    int mode = k->pinned ? st->peer->engine->opts.gpu_copy : FMC_GPU_COPY_BATCH;
-    p->failed = fmc_cuda_gather_async(dst, src, len, n, dev, mode, 1) != FMC_OK ||
-                fmc_cuda_fence_record(&p->fence, dev) != FMC_OK;
+    p->failed = fmc_stage_copy(st->peer->engine, k, &p->fence, dst, src, len, n, dev, 1) != FMC_OK;
     return p;
 }
 
