@@ -111,7 +111,7 @@ def _run_async_bench(json_path: str, targets) -> int:
 
     rows = run_async_bench(loop="asyncio") + run_async_bench(loop="uvloop")
     result: dict = {"async_calls": rows, "targets": [], "verified": True, "errors": []}
-    result["targets"] = evaluate_targets(targets, result) if targets else []
+    result["targets"] = _calls_ratio_only(evaluate_targets(targets, result)) if targets else []
     _print_async_result(result)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -137,18 +137,23 @@ def _check_results(path: str, targets) -> int:
     if "rows" in result:
         print_report(result)
     else:  # written by --async: only the async facade's calls/s
+        result["targets"] = _calls_ratio_only(result["targets"])
         _print_async_result(result)
     return verdict(result)
 
 
+def _calls_ratio_only(targets: list[dict]) -> list[dict]:
+    """The evaluated targets an --async result can meet: the others need the throughput sweep,
+    which --async does not run."""
+    return [t for t in targets if t["metric"].startswith("calls_ratio:")]
+
+
 def _print_async_result(result: dict) -> None:
-    """The async facade's table and its ``calls_ratio`` targets, the only ones kept in
-    ``result`` (the others need the throughput sweep, which --async does not run)."""
+    """The async facade's table and its targets."""
     from .bench.async_calls import print_async_report
     from .bench.report import print_targets
 
     print_async_report(result["async_calls"])
-    result["targets"] = [t for t in result["targets"] if t["metric"].startswith("calls_ratio:")]
     print_targets(result["targets"])
 
 
