@@ -18,6 +18,7 @@ every process's events on one clock.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import glob
 import statistics
@@ -111,13 +112,13 @@ def stream_spread(events: list[Event], spans: list[tuple[Event, Event]]) -> dict
     streams x the call's duration.  Streams that finish far apart, or a small share, mean the
     call waited on a few slow streams or on the gathers rather than on the wire."""
     figures: dict[str, list[float]] = defaultdict(list)
-    send = [e for e in events if e.name in _SEND_EVENTS]
+    send = [e for e in events if e.name in _SEND_EVENTS]  # in time order, as events are
+    times = [e.t_ns for e in send]
     for start, end in spans:
         per_stream: dict[tuple[int, int], list[Event]] = defaultdict(list)
-        for e in send:
-            if start.t_ns <= e.t_ns <= end.t_ns:
-                per_stream[(e.pid, e.a)].append(e)
-        starts, finishes, busy = [], [], 0
+        for e in send[bisect.bisect_left(times, start.t_ns):bisect.bisect_right(times, end.t_ns)]:
+            per_stream[(e.pid, e.a)].append(e)
+        starts, finishes, busy_us = [], [], 0.0
         for stream_events in per_stream.values():
             gathers = [e.t_ns for e in stream_events if e.name == "GATHER"]
             sent = [e.t_ns for e in stream_events if e.name == "SENT"]
@@ -125,20 +126,14 @@ def stream_spread(events: list[Event], spans: list[tuple[Event, Event]]) -> dict
                 continue
             starts.append(min(gathers) - start.t_ns)
             finishes.append(max(sent) - start.t_ns)
-            landed = None
-            for e in stream_events:
-                if e.name == "FENCED":
-                    landed = e.t_ns
-                elif e.name == "SENT" and landed is not None:
-                    busy += e.t_ns - landed
-                    landed = None
+            busy_us += sum(step_durations(stream_events).get("send a piece", ()))
         if not starts:
             continue
         figures["first stream starts"].append(min(starts) / 1e3)
         figures["last stream starts"].append(max(starts) / 1e3)
         figures["first stream done"].append(min(finishes) / 1e3)
         figures["last stream done"].append(max(finishes) / 1e3)
-        figures["sending share"].append(busy / (len(starts) * (end.t_ns - start.t_ns)))
+        figures["sending share"].append(busy_us * 1e3 / (len(starts) * (end.t_ns - start.t_ns)))
         figures["streams"].append(len(starts))
     return {name: statistics.median(values) for name, values in figures.items()}
 
