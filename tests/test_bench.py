@@ -358,6 +358,8 @@ def test_baselines_refuse_bad_arguments():
         lib.fmc_baseline_tcp(0, 4096, 4096, 4096, out),       # no stream
         lib.fmc_baseline_tcp(65, 4096, 4096, 4096, out),      # too many streams
         lib.fmc_baseline_tcp(1, 0, 4096, 4096, out),
+        lib.fmc_baseline_tcp_staged(0, 0, 4096, 4096, 4096, out),  # checked before looking for a GPU
+        lib.fmc_baseline_tcp_staged(1, 0, 4096, 1024, 4096, out),
         lib.fmc_baseline_pvm(4096, 4096, 0, out),
         lib.fmc_baseline_pvm(8192, 4096, 8192, out),
         lib.fmc_baseline_pvm(4096, 1 << 41, 4096, out),       # absurd span
@@ -377,11 +379,18 @@ def test_cuda_baseline_is_absent_or_works():
         with pytest.raises((bl.BaselineUnavailable, errors.FlagcxMcError)):
             bl.cuda_d2d_gbps(4096, 4096, 4096)
         assert lib.fmc_baseline_cuda_d2d(0, 0, 4096, 4096, 4096, 1, out) < 0
+        with pytest.raises(bl.BaselineUnavailable):
+            bl.measure("staged socket", 4096, MiB, 8 * MiB, streams=2)
     else:
         assert bl.cuda_d2d_gbps(1 << 20, 8 * MiB, 64 * MiB) > 0
         assert bl.measure("cuda d2d b2b", 1 << 20, 8 * MiB, 64 * MiB) > 0
         assert bl.measure("cuda d2h", 1 << 20, 8 * MiB, 64 * MiB) > 0
         assert bl.measure("cuda h2d", 1 << 20, 8 * MiB, 64 * MiB) > 0
+        # The socket with the GPU copies beside it moves no more than the socket alone, give or
+        # take the noise of one short measurement each.
+        staged = bl.measure("staged socket", 16 << 10, 16 * MiB, 256 * MiB, streams=4)
+        alone = bl.measure("raw socket", 16 << 10, 16 * MiB, 256 * MiB, streams=4)
+        assert 0 < staged < 1.5 * alone
         buf = DeviceBuffer(1 << 20)
         try:
             digest = buf.fill_random(0, 1 << 20)
@@ -426,7 +435,7 @@ def test_limits_are_a_module_of_their_own():
     assert not [name for name in dir(core_lib) if "baseline" in name]
     assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
         "fmc_baseline_cuda_d2d", "fmc_baseline_cuda_host", "fmc_baseline_memcpy", "fmc_baseline_pvm",
-        "fmc_baseline_tcp", "fmc_last_error"]
+        "fmc_baseline_tcp", "fmc_baseline_tcp_staged", "fmc_last_error"]
     with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
         bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text
 
@@ -658,6 +667,7 @@ def test_gpu_tcp_limit_is_the_smallest_leg(monkeypatch):
                                                                "gpu tcp limit"], opts, result, None)
     assert attempt.limit_gbps["gpu tcp limit"] == [25.0, 20.0]
     assert bl.derived_from("gpu tcp limit") == ("raw socket", "cuda d2h", "cuda h2d")
+    assert "staged socket" in bl.also_against("gpu tcp limit")  # measured and shown beside it
 
 
 def test_latency_n_zero_skips_the_latency_test(tmp_path, capsys):

@@ -12,6 +12,9 @@
  *                        streams do), receivers read as much as the socket has
  *   fmc_baseline_pvm     process_vm_writev from this process into a forked child, up to 1024
  *                        blocks per call, back-to-back blocks joined into one range per side
+ *   fmc_baseline_tcp_staged  the same sockets in pinned buffers, with the bytes they carry also
+ *                        copied device to host and host to device beside them (two threads keeping
+ *                        pace with the receivers): the three legs of GPU memory over TCP at once
  *   fmc_baseline_cuda_d2d  device-to-device copies through the CUDA driver API, loaded with dlopen
  *                        (FMC_ERR_NOT_IMPLEMENTED where there is no driver): each batch's copies
  *                        queued on a stream and waited for, as a synchronous transfer must, or
@@ -22,6 +25,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -129,6 +133,7 @@ typedef struct {
     uint64_t block;
     uint64_t bytes;      /* to move on this stream */
     struct bl_gate *gate;
+    uint64_t *received;  /* receiver: bytes received by every stream, for DMA that keeps pace */
     int failed;
 } bl_stream_end;
 
@@ -207,11 +212,20 @@ static void *tcp_receiver(void *arg)
         }
         left -= (uint64_t)n;
         pos = pos + (uint64_t)n == e->buf_len ? 0 : pos + (uint64_t)n;
+        if (e->received)
+            __atomic_add_fetch(e->received, (uint64_t)n, __ATOMIC_RELEASE);
     }
     return NULL;
 }
 
-int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+/* DMA beside the sockets (fmc_baseline_tcp_staged), defined with the CUDA baselines below. */
+typedef struct bl_dma bl_dma;
+static uint8_t *dma_buffer(uint64_t len, int byte);
+static void dma_buffer_free(uint8_t *buf);
+static int dma_start(bl_dma *d, bl_stream_end *ends, int streams, uint64_t buf_len, bl_gate *gate);
+static int dma_finish(bl_dma *d);
+
+static int tcp_check(int streams, uint64_t block, uint64_t span, uint64_t total, const double *gbps_out)
 {
     int rc = check_shape(block, span, total, gbps_out);
     if (rc < 0)
@@ -220,6 +234,14 @@ int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total,
         fmc_set_error("baseline: streams must be in 1..%d", FMC_MAX_STREAMS);
         return FMC_ERR_INVALID_ARGUMENT;
     }
+    return 0;
+}
+
+static int tcp_run(int streams, uint64_t block, uint64_t span, uint64_t total, bl_dma *dma, double *gbps_out)
+{
+    int rc = tcp_check(streams, block, span, total, gbps_out);
+    if (rc < 0)
+        return rc;
     uint64_t buf_len = (span / (uint64_t)streams + 4095) & ~4095ull;
     if (buf_len < 4096)
         buf_len = 4096;
@@ -254,8 +276,8 @@ int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total,
         }
         fmc_tune_socket(tx->fd);
         fmc_tune_socket(rx->fd);
-        tx->buf = map_touched(buf_len, 0x5a);
-        rx->buf = tx->buf ? map_touched(buf_len, 0) : NULL;
+        tx->buf = dma ? dma_buffer(buf_len, 0x5a) : map_touched(buf_len, 0x5a);
+        rx->buf = !tx->buf ? NULL : dma ? dma_buffer(buf_len, 0) : map_touched(buf_len, 0);
         if (rx->buf == NULL) {
             rc = FMC_ERR_MEMORY;
             break;
@@ -277,11 +299,16 @@ int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total,
             fmc_set_error("baseline: cannot start %d threads", 2 * streams);
             rc = FMC_ERR_MEMORY;
         }
+        if (rc == 0 && dma)
+            rc = dma_start(dma, ends, streams, buf_len, &gate);
         t0 = now_s();
         gate_open(&gate, rc == 0 ? 1 : -1);
         for (int i = 0; i < started; i++)
             pthread_join(threads[i], NULL);
+        int dma_rc = dma ? dma_finish(dma) : 0; /* it copies what the sockets carried, then stops */
         t1 = now_s();
+        if (rc == 0)
+            rc = dma_rc;
         for (int i = 0; i < 2 * streams && rc == 0; i++) {
             if (ends[i].failed) {
                 fmc_set_error("baseline: stream %d %s failed: %s", i / 2, (i & 1) ? "receiver" : "sender",
@@ -293,12 +320,19 @@ int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total,
     for (int i = 0; i < 2 * streams; i++) {
         if (ends[i].fd >= 0)
             close(ends[i].fd);
-        if (ends[i].buf)
+        if (ends[i].buf && dma)
+            dma_buffer_free(ends[i].buf);
+        else if (ends[i].buf)
             munmap(ends[i].buf, buf_len);
     }
     if (rc < 0)
         return rc;
     return set_gbps(per_stream * (uint64_t)streams, t1 - t0, gbps_out);
+}
+
+int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+{
+    return tcp_run(streams, block, span, total, NULL, gbps_out);
 }
 
 /* ------------------------------------------------------------------ process_vm_writev */
@@ -609,4 +643,141 @@ int fmc_baseline_cuda_host(int device, int to_device, uint64_t block, uint64_t s
         return FMC_ERR_MEMORY;
     }
     return set_gbps(moved, t1 - t0, gbps_out);
+}
+
+/* ------------------------------------------------------------------ sockets with DMA beside them */
+
+#define BL_DMA_PIECE (512u << 10) /* the engine's staging chunk */
+
+typedef struct {
+    bl_dma *d;
+    int to_device;
+} bl_dma_thread;
+
+struct bl_dma {
+    void *ctx;
+    uint64_t dev_mem, dev_len;
+    uint64_t received;     /* bytes every receiver took so far (bl_stream_end.received) */
+    int sockets_done;      /* the sockets have finished: copy what is left, then stop */
+    bl_stream_end *ends;
+    int streams;
+    uint64_t buf_len;
+    bl_gate *gate;
+    pthread_t threads[2];
+    bl_dma_thread args[2];
+    int started;
+    int failed[2];
+};
+
+static uint8_t *dma_buffer(uint64_t len, int byte)
+{
+    void *p = NULL;
+    if (cu.host_alloc(&p, len, 0x01 /* PORTABLE */) != 0)
+        return NULL;
+    memset(p, byte, len);
+    return p;
+}
+
+static void dma_buffer_free(uint8_t *buf) { cu.free_host(buf); }
+
+/* Copies, in staging-chunk pieces, as many bytes as the receivers have taken: device to host
+ * into the senders' buffers (a staged write's gathers), or host to device out of the
+ * receivers' buffers (its scatters), stream after stream.  The bytes a piece holds do not
+ * matter here, only the traffic. */
+static void *dma_main(void *arg)
+{
+    bl_dma_thread *t = arg;
+    bl_dma *d = t->d;
+    void *stream = NULL;
+    int failed = cu.set_current(d->ctx) != 0 || cu.stream_create(&stream, 1 /* NON_BLOCKING */) != 0;
+    if (gate_wait(d->gate) < 0 || failed) {
+        d->failed[t->to_device] = failed;
+        if (stream)
+            cu.stream_destroy(stream);
+        return NULL;
+    }
+    uint64_t copied = 0, pos = 0;
+    int s = 0;
+    for (;;) {
+        uint64_t avail = __atomic_load_n(&d->received, __ATOMIC_ACQUIRE);
+        if (copied >= avail) {
+            if (__atomic_load_n(&d->sockets_done, __ATOMIC_ACQUIRE) &&
+                copied >= __atomic_load_n(&d->received, __ATOMIC_ACQUIRE))
+                break;
+            sched_yield();
+            continue;
+        }
+        uint64_t n = avail - copied;
+        n = n < BL_DMA_PIECE ? n : BL_DMA_PIECE;
+        n = n < d->buf_len - pos ? n : d->buf_len - pos;
+        uint64_t host = (uint64_t)(uintptr_t)(d->ends[2 * s + t->to_device].buf + pos);
+        uint64_t dev = d->dev_mem + (uint64_t)s * d->buf_len + pos;
+        if (cu.copy_async(t->to_device ? dev : host, t->to_device ? host : dev, n, stream) != 0 ||
+            cu.stream_sync(stream) != 0) {
+            d->failed[t->to_device] = 1;
+            break;
+        }
+        copied += n;
+        if (++s == d->streams) {
+            s = 0;
+            pos = pos + n >= d->buf_len ? 0 : pos + n;
+        }
+    }
+    cu.stream_destroy(stream);
+    return NULL;
+}
+
+static int dma_start(bl_dma *d, bl_stream_end *ends, int streams, uint64_t buf_len, bl_gate *gate)
+{
+    d->ends = ends;
+    d->streams = streams;
+    d->buf_len = buf_len;
+    d->gate = gate;
+    d->received = 0;
+    d->sockets_done = 0;
+    for (int i = 0; i < streams; i++)
+        ends[2 * i + 1].received = &d->received;
+    d->dev_len = (uint64_t)streams * buf_len;
+    if (cu.alloc(&d->dev_mem, d->dev_len) != 0) {
+        d->dev_mem = 0;
+        fmc_set_error("cannot allocate %llu bytes of device memory", (unsigned long long)d->dev_len);
+        return FMC_ERR_MEMORY;
+    }
+    for (int i = 0; i < 2; i++) {
+        d->args[i] = (bl_dma_thread){.d = d, .to_device = i};
+        if (pthread_create(&d->threads[i], NULL, dma_main, &d->args[i]) != 0) {
+            fmc_set_error("baseline: cannot start its copy threads");
+            return FMC_ERR_MEMORY;
+        }
+        d->started++;
+    }
+    return 0;
+}
+
+static int dma_finish(bl_dma *d)
+{
+    __atomic_store_n(&d->sockets_done, 1, __ATOMIC_RELEASE);
+    for (int i = 0; i < d->started; i++)
+        pthread_join(d->threads[i], NULL);
+    if (d->dev_mem)
+        cu.free(d->dev_mem);
+    if (d->failed[0] || d->failed[1]) {
+        fmc_set_error("CUDA copy beside the sockets failed");
+        return FMC_ERR_MEMORY;
+    }
+    return 0;
+}
+
+int fmc_baseline_tcp_staged(int streams, int device, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+{
+    bl_dma d;
+    memset(&d, 0, sizeof d);
+    int rc = tcp_check(streams, block, span, total, gbps_out);
+    if (rc < 0 || (rc = cu_use(device, &d.ctx)) < 0)
+        return rc;
+    if (!cu.host_alloc || !cu.free_host) {
+        fmc_set_error("the CUDA driver has no cuMemHostAlloc");
+        return FMC_ERR_NOT_IMPLEMENTED;
+    }
+    return tcp_run(streams, block, span, total, &d, gbps_out);
 }

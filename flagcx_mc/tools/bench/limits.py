@@ -16,6 +16,11 @@ Each baseline moves ``total`` bytes in ``block``-sized pieces through buffers of
   H200, the launch and completion latency not hidden behind the next copy);
 - ``cuda d2h``, ``cuda h2d``: one copy of the whole span between the GPU and pinned host memory
   per batch, waited for: the PCIe link's rate, which every GPU byte moved over TCP crosses;
+- ``staged socket``: the raw socket in pinned buffers while two more threads copy as many bytes
+  between those buffers and the GPU (device to host and host to device, 512 KiB at a time,
+  keeping pace with the receivers): the three legs of GPU memory over TCP running at once, as
+  they do in a staged transfer on one host, where they share its memory.  Shown beside ``gpu
+  tcp limit``, which measures each leg alone;
 - ``gpu tcp limit``: not measured but derived, the smallest of ``raw socket`` (host memory over
   the same streams, same shape), ``cuda d2h`` and ``cuda h2d`` measured beside it: GPU memory
   over TCP can go no faster than the slowest leg it crosses.
@@ -39,11 +44,12 @@ __all__ = [
     "memcpy_gbps",
     "pvm_gbps",
     "tcp_gbps",
+    "tcp_staged_gbps",
 ]
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
 BASELINES = ("mooncake", "raw socket", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h", "cuda h2d",
-             "gpu tcp limit")
+             "gpu tcp limit", "staged socket")
 
 # Baselines computed from others measured in the same rounds: the smallest of them.
 _DERIVED = {"gpu tcp limit": ("raw socket", "cuda d2h", "cuda h2d")}
@@ -76,6 +82,14 @@ def tcp_gbps(streams: int, block: int, span: int, total: int) -> float:
     """Loopback TCP throughput over ``streams`` connections."""
     gbps = ffi.new("double *")
     return _out(lib.fmc_baseline_tcp(streams, block, span, total, gbps), gbps, "raw socket baseline")
+
+
+def tcp_staged_gbps(streams: int, block: int, span: int, total: int, device: int = 0) -> float:
+    """Loopback TCP throughput over ``streams`` connections with as many bytes copied between
+    their pinned buffers and ``device`` beside them (``staged socket``)."""
+    gbps = ffi.new("double *")
+    rc = lib.fmc_baseline_tcp_staged(streams, device, block, span, total, gbps)
+    return _out(rc, gbps, "staged socket baseline")
 
 
 def pvm_gbps(block: int, span: int, total: int) -> float:
@@ -116,6 +130,8 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
         return memcpy_gbps(block, span, total)
     if name == "raw socket":
         return tcp_gbps(streams, block, span, total)
+    if name == "staged socket":
+        return tcp_staged_gbps(streams, block, span, total, cuda_devices[0])
     if name == "raw pvm":
         return pvm_gbps(block, span, total)
     if name == "cuda d2d":
@@ -129,7 +145,7 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
 
 # Limits measured and shown beside a transport's own.
 _ALSO_AGAINST = {"raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",),
-                 "gpu tcp limit": _DERIVED["gpu tcp limit"]}
+                 "gpu tcp limit": (*_DERIVED["gpu tcp limit"], "staged socket")}
 
 
 def also_against(limit: str) -> tuple[str, ...]:
