@@ -359,6 +359,9 @@ static int receive_into_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint
         FMC_TR(FMC_TR_RECV, cs->rd.fd, 1);
         if (!k || fmc_reader_read_into(&cs->rd, k->buf, piece) < 0) {
             fmc_stage_put(&cs->e->stage, k);
+            /* Earlier pieces' copies may still be writing into the region, whose pin only the
+             * last piece would have held: they land before it is let go. */
+            land_all(cs);
             unpin(cs, r);
             return -1;
         }
@@ -383,6 +386,7 @@ static int send_from_gpu(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint64_
         size_t piece = len - off < FMC_STAGE_CHUNK ? (size_t)(len - off) : FMC_STAGE_CHUNK;
         fmc_chunk *k = conn_chunk(cs, FMC_STAGE_SEND, r->cuda_dev);
         if (!k) {
+            land_all(cs); /* earlier pieces' gathers still read the region (see receive_into_gpu) */
             unpin(cs, r);
             return -1;
         }
