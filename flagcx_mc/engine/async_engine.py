@@ -8,6 +8,7 @@ start and stop, live in ``EngineState`` (state.py), which the sync facade shares
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import os
@@ -276,7 +277,15 @@ class AsyncTransferEngine:
         started = time.perf_counter()
         try:  # the failure count by hand: a context manager costs a small call a tenth of its time
             session = sessions.peek(target) or await sessions.get(target)
-            rc, why = await state.transfer(target, req, session)
+            joined = state.join(target, req, session)
+            if joined is None:
+                rc, why = await state.transfer(target, req, session)
+            else:
+                try:
+                    rc, why = await joined[0]
+                except asyncio.CancelledError:
+                    await state.left_group(joined[1])
+                    raise
             if rc != 0:
                 session = await state.settle(target, req, session, rc, why)
             return session

@@ -215,15 +215,20 @@ def _resolve_each(calls: list[tuple[Call, asyncio.Future]], batch: CoreBatch,
     """Every call's share of its group's outcome (when the group failed, its own tasks'
     statuses); returns the calls that succeeded and their bytes."""
     rc, why = outcome
+    if rc == 0:  # the common case, kept short: it runs once per call on the loop
+        ok: Outcome = (0, "")
+        for _, future in calls:
+            if not future.done():  # a cancelled waiter has gone already
+                future.set_result(ok)
+        return len(calls), sum(req.total_bytes for req, _ in calls)
     first = ok_calls = ok_bytes = 0
     for req, future in calls:
         own: Outcome = (0, "")
-        if rc != 0:
-            for i in range(first, first + req.count):
-                status = batch.task_status(i)
-                if status != 0:  # its own failure; but cut at the group's deadline, a timeout
-                    own = (status if status < 0 and rc != _TIMEOUT_CODE else rc, why)
-                    break
+        for i in range(first, first + req.count):
+            status = batch.task_status(i)
+            if status != 0:  # its own failure; but cut at the group's deadline, a timeout
+                own = (status if status < 0 and rc != _TIMEOUT_CODE else rc, why)
+                break
         first += req.count
         if own[0] == 0:
             ok_calls += 1

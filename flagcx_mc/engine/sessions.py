@@ -36,6 +36,7 @@ class Session:
     rpc_port: int
     desc: SegmentDesc
     peer: CorePeer
+    same_host: bool = False  # the peer's bytes move by process_vm_* here (fixed when the session opens)
 
     def close(self) -> None:
         self.peer.close()
@@ -133,7 +134,7 @@ class SessionCache:
         loop = asyncio.get_running_loop()
         timeout_ms = int(self._config.handshake_timeout * 1000)
         await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
-        session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer)
+        session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer, same_host=peer.same_host)
         self._open[name] = session
         log.debug("session %s open (%s): %d regions", name, "flagcx_mc" if desc.native else "Mooncake TCP",
                   len(desc.buffers))

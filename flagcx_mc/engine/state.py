@@ -277,39 +277,44 @@ class EngineState:
 
     # ------------------------------------------------------------------ transfers
 
+    def join(self, target: str, req: TransferRequest | SingleTransfer,
+             session: Session) -> tuple[asyncio.Future, Any] | None:
+        """Over TCP, a call from the loop joins the open group of its peer and opcode
+        (``Coalescer``): calls that coroutines start in the same turn of the loop go out together
+        as one batch.  Returns the call's future of ``(rc, reason)`` (a success is counted by the
+        coalescer) and its group, to pass to ``left_group`` if the awaiting task is cancelled;
+        None: start the call with ``transfer``.  A plain method, not a coroutine: it runs once
+        per call, and a coroutine frame more is a measurable share of a small call's cost."""
+        if session.same_host:
+            return None
+        assert self._coalescer is not None
+        return self._coalescer.join(target, session, req)
+
+    @staticmethod
+    async def left_group(group: Any) -> None:
+        """A call of ``group`` whose task was cancelled: returns once the group's batch has
+        ended (its deadline bounds it) rather than cancel it, since a cancel cuts the stream,
+        which would fail the other calls riding on it."""
+        await _finish(asyncio.ensure_future(finish_cancelled(group)))
+
     async def transfer(self, target: str, req: TransferRequest | SingleTransfer, session: Session) -> tuple[int, str]:
-        """A transfer call's first try on ``session``: ``(rc, reason)``.
+        """A transfer call's first try on ``session`` that did not ``join`` a group:
+        ``(rc, reason)``.
 
         Started from the loop thread, which does not block long: over TCP the core only queues
         the batch or sends a small one as far as the socket takes it at once; on one host it
         copies inside the call, so only copies of up to ``INLINE_COPY_BYTES`` run here and larger
-        ones in the executor.  Over TCP, calls that coroutines start in the same turn of the loop
-        go out together as one batch (``Coalescer``).  A small call started on its own keeps the
-        loop for up to ``LONE_POLL_US`` (none where the engine's ``spin_us`` is 0): its answer
-        is then read here and the call costs no thread hop.
-        Calls that have not ended are awaited through ``Completions``.  A cancelled call waits
-        for its batch to end (done, or cancelled by the poller at its deadline) before
-        ``CancelledError`` propagates, so nothing touches either side's buffers after it
-        returns."""
-        if session.peer.same_host:
-            if req.total_bytes > INLINE_COPY_BYTES:
-                return await self.run_blocking(req.run, session, self.config)  # the core counts a success
-            joined = None
-        else:
-            assert self._coalescer is not None
-            joined = self._coalescer.join(target, session, req)
-        if joined is None:
-            started = time.perf_counter()
-            rc, why, batch = self._start_one(session, req)
-            return (rc, why) if batch is None else await self._await_alone(target, req, batch, started)
-        future, group = joined
-        try:
-            return await future  # a success is counted by the coalescer
-        except asyncio.CancelledError:
-            # Wait for the group's end (its deadline bounds it) rather than cancel it: a cancel
-            # cuts the stream, which would fail other calls riding on it.
-            await _finish(asyncio.ensure_future(finish_cancelled(group)))
-            raise
+        ones in the executor.  A small call started on its own keeps the loop for up to
+        ``LONE_POLL_US`` (none where the engine's ``spin_us`` is 0): its answer is then read here
+        and the call costs no thread hop.  Calls that have not ended are awaited through
+        ``Completions``.  A cancelled call waits for its batch to end (done, or cancelled by the
+        poller at its deadline) before ``CancelledError`` propagates, so nothing touches either
+        side's buffers after it returns."""
+        if session.same_host and req.total_bytes > INLINE_COPY_BYTES:
+            return await self.run_blocking(req.run, session, self.config)  # the core counts a success
+        started = time.perf_counter()
+        rc, why, batch = self._start_one(session, req)
+        return (rc, why) if batch is None else await self._await_alone(target, req, batch, started)
 
     def _start_one(self, session: Session, req: TransferRequest | SingleTransfer) -> tuple[int, str, CoreBatch | None]:
         """Start one call from the loop: ``(rc, why, None)`` if it ended here (a success is
@@ -376,7 +381,7 @@ class EngineState:
         """Start an asynchronous batch (``batch_transfer_async_*``, vectors) from the loop: over
         TCP the core only queues it; on one host it copies inside submit, so copies larger than
         ``INLINE_COPY_BYTES`` go to the executor.  Raises for ranges outside registered memory."""
-        if session.peer.same_host and req.total_bytes > INLINE_COPY_BYTES:
+        if session.same_host and req.total_bytes > INLINE_COPY_BYTES:
             return await self.run_blocking(req.submit, session)
         return req.submit(session)
 
