@@ -92,6 +92,9 @@ void fmc_engine_accept_mooncake_wire(fmc_engine *engine, int accept);
 int fmc_engine_set_secret(fmc_engine *engine, const uint8_t *key, int len);
 int fmc_hmac_sha256_public(const uint8_t *key, int key_len, const uint8_t *msg, int msg_len, uint8_t *out);
 void fmc_engine_get_stats(fmc_engine *engine, fmc_stats *out);
+uint64_t fmc_engine_batches_ended(fmc_engine *engine);
+int fmc_engine_wait_batch_end(fmc_engine *engine, uint64_t seen, int64_t timeout_ms);
+void fmc_engine_wake_end_waiters(fmc_engine *engine);
 int fmc_engine_drain_log(fmc_engine *engine, char *buf, int cap);
 
 int fmc_register(fmc_engine *engine, uint64_t addr, uint64_t len, uint32_t *key_out);

@@ -252,6 +252,19 @@ class CoreEngine:
         """Serve Mooncake's key-less TCP framing on the data port (on by default)."""
         lib.fmc_engine_accept_mooncake_wire(self._ptr, int(accept))
 
+    def batches_ended(self) -> int:
+        """How many of this engine's batches have ended so far (for ``wait_batch_end``)."""
+        return int(lib.fmc_engine_batches_ended(self._ptr))
+
+    def wait_batch_end(self, seen: int, timeout_ms: int) -> bool:
+        """Wait (GIL released) until one of this engine's batches ends after ``batches_ended``
+        returned ``seen``, or ``wake_end_waiters`` is called, at most ``timeout_ms``; False if
+        the time ran out."""
+        return bool(lib.fmc_engine_wait_batch_end(self._ptr, seen, int(timeout_ms)))
+
+    def wake_end_waiters(self) -> None:
+        lib.fmc_engine_wake_end_waiters(self._ptr)
+
     def close(self) -> None:
         if self._ptr is not None:
             for line in self.drain_log():

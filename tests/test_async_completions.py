@@ -203,3 +203,89 @@ async def test_many_async_batches_complete_through_the_poller(transport):
             assert dst.read((n - 1 - i) * block, block) == src.read(i * block, block)
         with pytest.raises(errors.InvalidArgumentError):
             await eng.get_batch_transfer_status(ids[:1])  # forgotten once done
+
+
+class _FakeBatch:
+    """A batch whose end the test decides (poll: 0 running, 1 done)."""
+
+    def __init__(self) -> None:
+        self.state = 0
+
+    def poll(self) -> int:
+        return self.state
+
+    def wait_done(self, timeout_ms: int) -> int:
+        return self.state
+
+
+class _FakeCore:
+    """The core's count of ended batches and the wait for the next end, as the poller sees them."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.ended = 0
+        self.cv = threading.Condition()
+        self.lingered = 0
+
+    def end(self, batch: _FakeBatch) -> None:
+        with self.cv:
+            batch.state = 1
+            self.ended += 1
+            self.cv.notify_all()
+
+    def count(self) -> int:
+        with self.cv:
+            return self.ended
+
+    def wait_end(self, seen: int, seconds: float) -> bool:
+        with self.cv:
+            self.lingered += 1
+            return self.cv.wait_for(lambda: self.ended != seen, seconds)
+
+
+async def test_lingering_poller_sees_new_batches_by_their_end():
+    """Between batches the poller waits for any batch's end, not for the loop to hand it one: a
+    batch handed over meanwhile is resolved when it ends, one that ended before the poller looked
+    is resolved by the hand-over itself, and the poller ends after lingering with nothing to do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flagcx_mc.engine import completions
+
+    loop = asyncio.get_running_loop()
+    core = _FakeCore()
+    with ThreadPoolExecutor(1) as executor:
+        poller = completions.Completions(loop, lambda: executor, core.count, core.wait_end)
+        first = _FakeBatch()
+        waiting = poller.wait(first, time.monotonic() + 10)
+        core.end(first)
+        assert await asyncio.wait_for(waiting, 1) == (0, "")
+        await asyncio.sleep(completions._LINGER_S / 5)  # the poller lingers now
+        assert poller._running
+        later = _FakeBatch()
+        waiting = poller.wait(later, time.monotonic() + 10)
+        await asyncio.sleep(0.001)
+        assert not waiting.done()
+        core.end(later)  # its end, not the hand-over, wakes the poller
+        assert await asyncio.wait_for(waiting, 1) == (0, "")
+        done_before = _FakeBatch()
+        done_before.state = 1  # ended before the poller could see it in its inbox
+        resolved = poller.wait(done_before, time.monotonic() + 10)
+        assert resolved.done() and resolved.result() == (0, "")  # no wait for the linger to run out
+        deadline = time.monotonic() + 2
+        while poller._running and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert not poller._running  # lingered, then ended: an idle engine holds no thread
+        assert core.lingered >= 2
+
+
+async def test_close_ends_a_lingering_poller_at_once():
+    src, dst = HostBuffer(4 << 20), HostBuffer(4 << 20)
+    async with engine_pair("tcp", dst, src) as (target, eng):
+        src.fill_random()
+        await asyncio.gather(*(eng.transfer_sync_write(target.session_name, src.addr + i * BLOCK,
+                                                       dst.addr + i * BLOCK, BLOCK) for i in range(16)))
+        assert dst.read(0, 16 * BLOCK) == src.read(0, 16 * BLOCK)
+        t0 = time.monotonic()
+        await eng.close()
+        assert time.monotonic() - t0 < 1.0

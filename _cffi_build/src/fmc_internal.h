@@ -366,6 +366,14 @@ struct fmc_engine {
     char log[FMC_LOG_CAP];
     int log_len;
     struct fmc_collapser *collapser; /* huge-page collapsing thread (fmc_hugepages.c), guarded by mu */
+    /* Batches of this engine that have ended, counted, for a thread that waits for the next
+     * one to end whichever it is (fmc_engine_wait_batch_end: the async facade's poller between
+     * its batches).  done_mu and done_cv are touched only while someone waits. */
+    uint64_t batches_ended;
+    int end_waiters;
+    int end_wakes;            /* fmc_engine_wake_end_waiters calls; guarded by done_mu */
+    pthread_mutex_t done_mu;
+    pthread_cond_t done_cv;
 };
 
 /* Registered host memory in huge pages (common/fmc_hugepages.c), by the engine's prefault mode:
@@ -430,6 +438,7 @@ struct fmc_batch {
     int first_error;
     int finished;        /* 1 once outstanding hit 0 */
     int cancelled;
+    int counts_end;      /* its end counts in the engine's batches_ended (started for a poller) */
     uint64_t bytes;
     int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
     int32_t *task_remaining;

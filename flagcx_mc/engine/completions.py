@@ -7,8 +7,13 @@ in the core for the oldest batch (GIL released; the core polls briefly before sl
 small transfer; at most 5 ms), then polls the others, cancels those past their deadline (it keeps
 deadlines itself: the core's own timeout would cancel one batch at a time), and resolves every
 finished future with one ``call_soon_threadsafe``: many completions cost the loop one wake-up,
-not one executor round trip each.  It ends when nothing is left and starts again with the next
-batch, so an idle engine holds no thread.
+not one executor round trip each.
+
+Between batches the poller lingers in the core for up to ``_LINGER_S``, woken by the end of any
+batch the engine started for it (``CoreEngine.wait_batch_end``): a batch handed over meanwhile
+costs the loop no executor hand-off and wakes no thread, since its own end wakes the poller.  A
+batch that ended before the poller looked is resolved by ``wait`` itself.  The poller ends once it
+has lingered that long with nothing to wait for, so an idle engine holds no thread.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ _TIMEOUT_CODE = errors.TransferTimeoutError.code
 
 _WAIT_SLICE = 0.005  # seconds the poller waits for the oldest batch before looking at the others
 _DEADLINE_SLACK = 0.01  # batches this close to their deadline when another expires time out with it
+_LINGER_S = 0.005  # seconds the poller waits for the next batch before it ends
+
+# The core's count of the engine's ended batches (None once the engine is closed), and a wait
+# until it passes a count or ``seconds`` run out (False then, or once closed).
+Ended = Callable[[], int | None]
+WaitEnd = Callable[[int, float], bool]
 
 
 class _Entry:
@@ -42,12 +53,16 @@ class _Entry:
 class Completions:
     """Batches in flight on one loop and the one poller that waits for them."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, executor: Callable[[], Executor | None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, executor: Callable[[], Executor | None], ended: Ended,
+                 wait_end: WaitEnd) -> None:
         self._loop = loop
         self._executor = executor
+        self._ended = ended
+        self._wait_end = wait_end
         self._inbox: collections.deque[_Entry] = collections.deque()
         self._lock = threading.Lock()  # orders "poller running" against "batch added"
         self._running = False
+        self._closed = False
 
     def wait(self, batch: CoreBatch, deadline: float) -> asyncio.Future:
         """A future of ``(rc, why)`` for ``batch`` (``time.monotonic()`` ``deadline``; a batch
@@ -56,6 +71,11 @@ class Completions:
         with self._lock:
             self._inbox.append(_Entry(batch, deadline, future))
             if self._running:
+                # A lingering poller wakes only when a batch ends: if this one ended before the
+                # poller looked at the inbox, nothing would wake it for it.
+                state = batch.poll()
+                if state != 0:
+                    future.set_result(_outcome(state))
                 return future
             executor = self._executor()
             if executor is None:
@@ -79,13 +99,21 @@ class Completions:
         future.set_result(_outcome(state))
         return future
 
+    def close(self) -> None:
+        """No more lingering: the poller ends once nothing is pending (the engine then wakes it
+        with ``CoreEngine.wake_end_waiters``)."""
+        self._closed = True
+
     def _run(self) -> None:
         pending: list[_Entry] = []
         inbox = self._inbox
         while True:
+            seen = self._ended()  # before the inbox is read: a batch that ends later ends the linger
             while inbox:
                 pending.append(inbox.popleft())
             if not pending:
+                if seen is not None and not self._closed and self._wait_end(seen, _LINGER_S):
+                    continue
                 with self._lock:
                     if not inbox:
                         self._running = False

@@ -105,7 +105,7 @@ class EngineState:
         loop = asyncio.get_running_loop()
         self.loop = loop
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
-        self._completions = Completions(loop, lambda: self._executor)
+        self._completions = Completions(loop, lambda: self._executor, self._batches_ended, self._wait_batch_end)
         self._coalescer = Coalescer(loop, self._start_one, self._start_group, self._hand_over, self._deadline,
                                     self._record_calls)
         low, high = self.config.data_port_range or self.config.rpc_port_range
@@ -167,6 +167,7 @@ class EngineState:
             executor, self._executor = self._executor, None
             loop = asyncio.get_running_loop()
             await _off_loop(loop, self.batches.cancel_all)
+            self._end_lingering()
             await _off_loop(loop, executor.shutdown, True)
         drained = await self._calls_drained()
         self._free(drained)
@@ -178,6 +179,37 @@ class EngineState:
         while self.calls_in_core and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
         return not self.calls_in_core
+
+    def _end_lingering(self) -> None:
+        """The poller stops waiting for the next batch (it ends once nothing is pending)."""
+        if self._completions is not None:
+            self._completions.close()
+        if self._core is not None:
+            self._core.wake_end_waiters()
+
+    def _batches_ended(self) -> int | None:
+        """The core's count of ended batches, for the poller (None once the engine is closed)."""
+        inside = self.calls_in_core
+        inside.append(None)
+        try:
+            core = self._core
+            return None if self.closed or core is None else core.batches_ended()
+        finally:
+            inside.pop()
+
+    def _wait_batch_end(self, seen: int, seconds: float) -> bool:
+        """The poller between batches: wait in the core (counted in ``calls_in_core``, so the
+        core is not freed under it) until a batch ends after ``seen``; False if the time ran
+        out or the engine is closing."""
+        inside = self.calls_in_core
+        inside.append(None)
+        try:
+            core = self._core
+            if self.closed or core is None:
+                return False
+            return core.wait_batch_end(seen, max(1, int(seconds * 1000)))
+        finally:
+            inside.pop()
 
     def _free(self, drained: bool) -> None:
         if self._managed is not None:
@@ -214,6 +246,7 @@ class EngineState:
             for session in list(self._sessions.open_sessions()):
                 session.close()
         self.batches.cancel_all()
+        self._end_lingering()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

@@ -33,7 +33,52 @@ static int finish_locked(fmc_batch *b, int t, int status)
         e->stat_batches_failed++;
     }
     pthread_cond_broadcast(&b->cv);
+    if (!b->counts_end)
+        return 1;
+    /* seq_cst against the waiter's count and read (fmc_engine_wait_batch_end): either it sees
+     * the new count, or this sees it waiting and wakes it. */
+    __atomic_add_fetch(&e->batches_ended, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&e->end_waiters, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&e->done_mu); /* a leaf lock: nothing is taken under it */
+        pthread_cond_broadcast(&e->done_cv);
+        pthread_mutex_unlock(&e->done_mu);
+    }
     return 1;
+}
+
+uint64_t fmc_engine_batches_ended(fmc_engine *e)
+{
+    return __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST);
+}
+
+/* Wait until one of the engine's batches ends after `seen` (an fmc_engine_batches_ended count),
+ * whichever it is, or fmc_engine_wake_end_waiters is called, at most timeout_ms: 1 if so, 0 if
+ * the time ran out.  The async facade's poller waits here between its batches, so that the
+ * event loop hands it a new batch without waking it: the batch's end does. */
+int fmc_engine_wait_batch_end(fmc_engine *e, uint64_t seen, int64_t timeout_ms)
+{
+    struct timespec ts;
+    fmc_deadline_ts(timeout_ms < 0 ? 0 : timeout_ms, &ts);
+    pthread_mutex_lock(&e->done_mu);
+    int wakes = e->end_wakes;
+    __atomic_add_fetch(&e->end_waiters, 1, __ATOMIC_SEQ_CST);
+    int ended;
+    while (!(ended = __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST) != seen || e->end_wakes != wakes))
+        if (pthread_cond_timedwait(&e->done_cv, &e->done_mu, &ts) == ETIMEDOUT)
+            break;
+    if (!ended)
+        ended = __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST) != seen || e->end_wakes != wakes;
+    __atomic_sub_fetch(&e->end_waiters, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&e->done_mu);
+    return ended;
+}
+
+void fmc_engine_wake_end_waiters(fmc_engine *e)
+{
+    pthread_mutex_lock(&e->done_mu);
+    e->end_wakes++;
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->done_mu);
 }
 
 /* Finish a list of slices, each with its answer_status (or `status` for all when it is not
@@ -165,12 +210,13 @@ static uint64_t stream_run_bytes(const fmc_peer *p, uint64_t total)
 }
 
 static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving);
+                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving,
+                  int counts_end);
 
 int fmc_batch_submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                      const uint64_t *lens, fmc_batch **out)
 {
-    return submit(p, opcode, n, local, remote, lens, out, -1, NULL);
+    return submit(p, opcode, n, local, remote, lens, out, -1, NULL, 1);
 }
 
 /* Bytes per slice of a task: slice_size, but at most one staging chunk where the local side is
@@ -183,8 +229,11 @@ static uint64_t slice_bytes(const fmc_peer *p, int32_t local_dev)
 /* inline_deadline_ms >= 0: the caller waits for the batch (fmc_transfer), so a small one may be
  * sent from its thread (FMC_INLINE_NOWAIT: as far as it goes without blocking); with `receiving` also set, a write's caller may read its own answers
  * (*receiving: the stream whose receive side it then owns, see fmc_stream_caller_receive). */
+/* counts_end: the batch may be waited for by the async facade's poller, whose waits between
+ * batches end when such a batch ends (fmc_engine_wait_batch_end). */
 static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const uint64_t *remote,
-                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving)
+                  const uint64_t *lens, fmc_batch **out, int64_t inline_deadline_ms, fmc_stream **receiving,
+                  int counts_end)
 {
     *out = NULL;
     if (receiving)
@@ -282,6 +331,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
     free(ldev);
     b->outstanding = (int)nslices;
     b->finished = nslices == 0;
+    b->counts_end = counts_end;
     *out = b;
     int used = 0;
     for (int i = 0; i < p->nstreams; i++)
@@ -509,7 +559,7 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     fmc_stream *receiving = NULL;
     int64_t start_us = fmc_now_us();
     FMC_TR(FMC_TR_CALL, n, 0);
-    int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms), &receiving);
+    int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms), &receiving, 0);
     if (rc != FMC_OK)
         return rc;
     int spin = fmc_spin_us_after(b->peer->engine, b->bytes);
@@ -574,7 +624,7 @@ static int start_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local,
     fmc_stream *receiving = NULL;
     int64_t start_us = fmc_now_us();
     int rc = submit(p, opcode, n, local, remote, lens, &b, poll_us < 0 ? -1 : FMC_INLINE_NOWAIT,
-                    poll_us > 0 ? &receiving : NULL);
+                    poll_us > 0 ? &receiving : NULL, 1);
     if (rc != FMC_OK)
         return rc;
     if (poll_us > 0) {

@@ -56,6 +56,8 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->log_mu, NULL);
     fmc_cond_init_monotonic(&e->cv);
+    pthread_mutex_init(&e->done_mu, NULL);
+    fmc_cond_init_monotonic(&e->done_cv);
     e->wake_pipe[0] = e->wake_pipe[1] = -1;
     e->accept_mooncake_wire = 1;
     e->sh_fd = -1;
@@ -146,6 +148,8 @@ void fmc_engine_destroy(fmc_engine *e)
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->log_mu);
     pthread_cond_destroy(&e->cv);
+    pthread_mutex_destroy(&e->done_mu);
+    pthread_cond_destroy(&e->done_cv);
     free(e);
 }
 
