@@ -90,7 +90,7 @@ async def test_a_bad_call_fails_alone_in_its_group():
 
 
 async def test_a_cancelled_call_leaves_its_group_intact():
-    n = 16
+    n = 12
     src, dst = HostBuffer(n * BLOCK), HostBuffer((n + 1) * BLOCK)
     async with engine_pair("tcp", dst, src) as (target, eng):
         src.fill_random()
@@ -98,16 +98,18 @@ async def test_a_cancelled_call_leaves_its_group_intact():
         await eng.transfer_sync_write(name, src.addr, dst.addr + n * BLOCK, 64)  # the session is open
         tasks = [asyncio.ensure_future(eng.transfer_sync_write(name, src.addr + i * BLOCK, dst.addr + i * BLOCK,
                                                                BLOCK)) for i in range(n)]
-        await asyncio.sleep(0)  # every task has joined the group; the group leaves next
-        tasks[3].cancel()
+        # Every task joins: the first eight leave as one group as soon as they hold 512 KiB, the
+        # other four form the second group, which leaves once the turn is over.
+        await asyncio.sleep(0)
+        tasks[10].cancel()
         await asyncio.sleep(0)
         tasks[7].cancel()  # cancelled after its group left: returns once the batch ended
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert isinstance(results[3], asyncio.CancelledError) and isinstance(results[7], asyncio.CancelledError)
+        assert isinstance(results[10], asyncio.CancelledError) and isinstance(results[7], asyncio.CancelledError)
         for i in range(n):
-            if i not in (3, 7):
+            if i not in (10, 7):
                 assert results[i] is None and dst.read(i * BLOCK, BLOCK) == src.read(i * BLOCK, BLOCK), i
-        assert dst.read(3 * BLOCK, BLOCK) == bytes(BLOCK)  # left out before it was sent
+        assert dst.read(10 * BLOCK, BLOCK) == bytes(BLOCK)  # left out before its group was sent
         # The group the cancelled call 7 rode in has ended: what it wrote is all there.
         assert dst.read(7 * BLOCK, BLOCK) == src.read(7 * BLOCK, BLOCK)
 
@@ -170,3 +172,22 @@ async def test_a_peer_killed_under_a_group_fails_every_call_and_nothing_else():
             assert dst.read(0, n * block) == src.read(0, n * block)
     finally:
         node.close()
+
+
+async def test_sixteen_64k_calls_leave_as_two_groups_with_the_right_bytes():
+    """Sixteen coroutines' 64 KiB writes: the first eight leave once they hold 512 KiB, so the
+    rest cross behind them as a second group, and every byte lands."""
+    n = 16
+    src, dst = HostBuffer(n * BLOCK), HostBuffer(n * BLOCK)
+    async with engine_pair("tcp", dst, src) as (target, eng):
+        src.fill_random()
+        name = target.session_name
+        await eng.transfer_sync_write(name, src.addr, dst.addr, 64)  # the session is open
+        before = eng.stats()
+        await asyncio.gather(*(eng.transfer_sync_write(name, src.addr + i * BLOCK, dst.addr + (n - 1 - i) * BLOCK,
+                                                       BLOCK) for i in range(n)))
+        after = eng.stats()
+        assert after["grouped_calls"] - before["grouped_calls"] == n
+        assert after["call_groups"] - before["call_groups"] == 2
+        for i in range(n):
+            assert dst.read((n - 1 - i) * BLOCK, BLOCK) == src.read(i * BLOCK, BLOCK), i
