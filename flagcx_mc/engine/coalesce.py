@@ -50,6 +50,7 @@ __all__ = ["Coalescer", "finish_cancelled", "merge"]
 GROUP_MAX_BYTES = 4 << 20
 GROUP_MAX_TASKS = 4096
 GROUP_SPLIT_BYTES = 512 << 10  # the least a group leaves with before the turn is over
+_LEVELS_KEPT = 1024  # (peer, opcode) levels remembered
 LONE_GROUPS = 8
 PROBE_EVERY = 64
 
@@ -150,6 +151,8 @@ class Coalescer:
         calls = [(req, future) for req, future in group.calls if not future.done()]  # cancelled: left out
         self._lone = self._lone + 1 if len(calls) == 1 else 0
         group.ended = self._loop.create_future()
+        if len(self._level) > _LEVELS_KEPT and key not in self._level:
+            self._level.clear()  # peers come and go: only a hint, so forget the old ones
         self._flying[key] = self._level[key] = self._flying.get(key, 0) + group.bytes
 
         def landed() -> None:
