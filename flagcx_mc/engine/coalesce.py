@@ -1,5 +1,5 @@
 """``Coalescer``: transfer calls that coroutines start in one turn of the event loop, to one
-peer over TCP with one opcode, leave as one core batch.
+peer over TCP with one opcode, leave together as core batches (one, or two once they are large).
 
 Over TCP most of a small call's cost is fixed (a send, the target's wake-up, an answer, the
 wake-ups that bring it back to the loop), whatever its size up to a few hundred KiB.  Sixteen

@@ -314,7 +314,7 @@ class EngineState:
              session: Session) -> tuple[asyncio.Future, Any] | None:
         """Over TCP, a call from the loop joins the open group of its peer and opcode
         (``Coalescer``): calls that coroutines start in the same turn of the loop go out together
-        as one batch.  Returns the call's future of ``(rc, reason)`` (a success is counted by the
+        as a batch.  Returns the call's future of ``(rc, reason)`` (a success is counted by the
         coalescer) and its group, to pass to ``left_group`` if the awaiting task is cancelled;
         None: start the call with ``transfer``.  A plain method, not a coroutine: it runs once
         per call, and a coroutine frame more is a measurable share of a small call's cost."""
