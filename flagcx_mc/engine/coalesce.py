@@ -169,19 +169,21 @@ class Coalescer:
             for _, future in calls:
                 if not future.done():
                     future.set_exception(exc)
-            if not group.ended.done():
-                landed()
+            landed()
 
     def _landed(self, key: tuple[int, int], group: _Group) -> None:
         """The group's batch has ended: it is no longer in flight (counted at once, so that the
         calls it resolves find the count right when they call again) and its cancelled callers
-        may return."""
+        may return.  Once only: a group that failed while it was being sent lands here at once,
+        and its calls already started may still end."""
+        assert group.ended is not None
+        if group.ended.done():
+            return
         left = self._flying[key] - group.bytes
         if left:
             self._flying[key] = left
         else:
             del self._flying[key]
-        assert group.ended is not None
         group.ended.set_result(None)
 
     def _send_alone(self, group: _Group, req: Call, future: asyncio.Future, on_end: Callable[[], None]) -> None:

@@ -187,29 +187,25 @@ class EngineState:
         if self._core is not None:
             self._core.wake_end_waiters()
 
-    def _batches_ended(self) -> int | None:
-        """The core's count of ended batches, for the poller (None once the engine is closed)."""
+    def _in_core(self, call: Callable[[CoreEngine], T], closed: T) -> T:
+        """``call(core)`` counted in ``calls_in_core``, so that the core is not freed under it
+        (the poller's calls, from its executor thread); ``closed`` once the engine is closing."""
         inside = self.calls_in_core
         inside.append(None)
         try:
             core = self._core
-            return None if self.closed or core is None else core.batches_ended()
+            return closed if self.closed or core is None else call(core)
         finally:
             inside.pop()
 
+    def _batches_ended(self) -> int | None:
+        """The core's count of ended batches, for the poller (None once the engine is closed)."""
+        return self._in_core(CoreEngine.batches_ended, None)
+
     def _wait_batch_end(self, seen: int, seconds: float) -> bool:
-        """The poller between batches: wait in the core (counted in ``calls_in_core``, so the
-        core is not freed under it) until a batch ends after ``seen``; False if the time ran
-        out or the engine is closing."""
-        inside = self.calls_in_core
-        inside.append(None)
-        try:
-            core = self._core
-            if self.closed or core is None:
-                return False
-            return core.wait_batch_end(seen, max(1, int(seconds * 1000)))
-        finally:
-            inside.pop()
+        """The poller between batches: wait in the core until a batch ends after ``seen``; False
+        if the time ran out or the engine is closing."""
+        return self._in_core(lambda core: core.wait_batch_end(seen, max(1, int(seconds * 1000))), False)
 
     def _free(self, drained: bool) -> None:
         if self._managed is not None:

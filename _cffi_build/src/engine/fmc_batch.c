@@ -62,12 +62,10 @@ int fmc_engine_wait_batch_end(fmc_engine *e, uint64_t seen, int64_t timeout_ms)
     pthread_mutex_lock(&e->done_mu);
     int wakes = e->end_wakes;
     __atomic_add_fetch(&e->end_waiters, 1, __ATOMIC_SEQ_CST);
-    int ended;
-    while (!(ended = __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST) != seen || e->end_wakes != wakes))
-        if (pthread_cond_timedwait(&e->done_cv, &e->done_mu, &ts) == ETIMEDOUT)
-            break;
-    if (!ended)
-        ended = __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST) != seen || e->end_wakes != wakes;
+    int ended, timed_out = 0; /* looked at once more after a timeout */
+    while (!(ended = __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST) != seen || e->end_wakes != wakes) &&
+           !timed_out)
+        timed_out = pthread_cond_timedwait(&e->done_cv, &e->done_mu, &ts) == ETIMEDOUT;
     __atomic_sub_fetch(&e->end_waiters, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&e->done_mu);
     return ended;
