@@ -160,7 +160,8 @@ def test_no_mooncake_is_reported_and_progress_goes_to_stderr(tmp_path):
     assert data["transports"]["mooncake-tcp"] == {**data["transports"]["mooncake-tcp"], "available": False,
                                                   "reason": "skipped (--no-mooncake)"}
     assert [r["transport"] for r in data["rows"]] == ["tcp"]
-    assert "[  2/3]" in proc.stderr and "tcp            write  64 KiB x2" in proc.stderr
+    # Steps: the raw socket and socket calls limits, the row, the latency test.
+    assert "[  3/4]" in proc.stderr and "tcp            write  64 KiB x2" in proc.stderr
     statuses = {t["name"]: t["status"] for t in data["targets"]}
     assert statuses["native TCP >= 2x Mooncake at every block size"] == "N/A"
 
@@ -340,6 +341,19 @@ def test_host_baselines_measure_positive_throughput(block):
     assert bl.measure("raw socket", block, span, 8 * MiB, streams=3) > 0
 
 
+@pytest.mark.timeout(60)
+def test_socket_calls_limit_answers_each_call():
+    """The sockets used call by call: every split that fits the CPUs runs, odd spans included, and
+    it is shown beside the raw socket.  A call waits for its answers, so it cannot beat the raw
+    socket's stream by much on any machine."""
+    for streams in (1, 3, 8):
+        for span in (4096, 5000, 256 << 10):
+            assert bl.tcp_calls_gbps(streams, 4096 if span % 4096 == 0 else 1000, span, 8 * MiB) > 0
+    assert bl.measure("socket calls", 64 << 10, 4 * MiB, 64 * MiB, streams=4) > 0
+    assert "socket calls" in bl.also_against("raw socket")
+    assert bl.BASELINES.index("socket calls") == bl.BASELINES.index("raw socket") + 1
+
+
 @pytest.mark.timeout(30)
 def test_odd_totals_and_single_stream():
     assert bl.tcp_gbps(1, 4096, 4096, 12345) > 0   # not a whole number of blocks
@@ -358,6 +372,8 @@ def test_baselines_refuse_bad_arguments():
         lib.fmc_baseline_tcp(0, 4096, 4096, 4096, out),       # no stream
         lib.fmc_baseline_tcp(65, 4096, 4096, 4096, out),      # too many streams
         lib.fmc_baseline_tcp(1, 0, 4096, 4096, out),
+        lib.fmc_baseline_tcp_calls(0, 4096, 4096, 4096, out),
+        lib.fmc_baseline_tcp_calls(1, 4096, 1024, 4096, out),
         lib.fmc_baseline_tcp_staged(0, 0, 4096, 4096, 4096, out),  # checked before looking for a GPU
         lib.fmc_baseline_tcp_staged(1, 0, 4096, 1024, 4096, out),
         lib.fmc_baseline_pvm(4096, 4096, 0, out),
@@ -435,7 +451,7 @@ def test_limits_are_a_module_of_their_own():
     assert not [name for name in dir(core_lib) if "baseline" in name]
     assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
         "fmc_baseline_cuda_d2d", "fmc_baseline_cuda_host", "fmc_baseline_memcpy", "fmc_baseline_pvm",
-        "fmc_baseline_tcp", "fmc_baseline_tcp_staged", "fmc_last_error"]
+        "fmc_baseline_tcp", "fmc_baseline_tcp_calls", "fmc_baseline_tcp_staged", "fmc_last_error"]
     with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
         bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text
 

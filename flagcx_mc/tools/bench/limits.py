@@ -7,6 +7,11 @@ Each baseline moves ``total`` bytes in ``block``-sized pieces through buffers of
 - ``memcpy``: one thread copies each block;
 - ``raw socket``: loopback TCP with the engine's number of streams, one sender and one receiver
   thread per stream, senders gathering blocks into ~1 MiB ``sendmsg`` calls;
+- ``socket calls``: the same sockets used as synchronous calls: each batch's bytes split evenly
+  over 1, 2, 4 ... up to that many connections, each share answered by its receiver, the next
+  batch only after every answer, the best split kept (shares sent by client threads that poll
+  for the call, so no wake-up on the calling side).  Shown beside ``raw socket``: what any engine
+  that answers each call could reach, where the raw socket streams without answers;
 - ``raw pvm``: ``process_vm_writev`` from this process into a forked child, 1024 blocks per call;
 - ``cuda d2d``: device-to-device copies of each block (CUDA driver API, loaded at run time), each
   batch's copies queued on a stream and waited for before the next batch: the least time a
@@ -43,12 +48,13 @@ __all__ = [
     "measure",
     "memcpy_gbps",
     "pvm_gbps",
+    "tcp_calls_gbps",
     "tcp_gbps",
     "tcp_staged_gbps",
 ]
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
-BASELINES = ("mooncake", "raw socket", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h", "cuda h2d",
+BASELINES = ("mooncake", "raw socket", "socket calls", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h", "cuda h2d",
              "gpu tcp limit", "staged socket")
 
 # Baselines computed from others measured in the same rounds: the smallest of them.
@@ -82,6 +88,13 @@ def tcp_gbps(streams: int, block: int, span: int, total: int) -> float:
     """Loopback TCP throughput over ``streams`` connections."""
     gbps = ffi.new("double *")
     return _out(lib.fmc_baseline_tcp(streams, block, span, total, gbps), gbps, "raw socket baseline")
+
+
+def tcp_calls_gbps(streams: int, block: int, span: int, total: int) -> float:
+    """Loopback TCP used call by call: ``span`` bytes a call, answered, over the best split of up
+    to ``streams`` connections (``socket calls``)."""
+    gbps = ffi.new("double *")
+    return _out(lib.fmc_baseline_tcp_calls(streams, block, span, total, gbps), gbps, "socket calls baseline")
 
 
 def tcp_staged_gbps(streams: int, block: int, span: int, total: int, device: int = 0) -> float:
@@ -130,6 +143,8 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
         return memcpy_gbps(block, span, total)
     if name == "raw socket":
         return tcp_gbps(streams, block, span, total)
+    if name == "socket calls":
+        return tcp_calls_gbps(streams, block, span, total)
     if name == "staged socket":
         return tcp_staged_gbps(streams, block, span, total, cuda_devices[0])
     if name == "raw pvm":
@@ -144,7 +159,7 @@ def measure(name: str, block: int, span: int, total: int, streams: int = 4, cuda
 
 
 # Limits measured and shown beside a transport's own.
-_ALSO_AGAINST = {"raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",),
+_ALSO_AGAINST = {"raw socket": ("socket calls",), "raw pvm": ("memcpy",), "cuda d2d": ("cuda d2d b2b",),
                  "gpu tcp limit": (*_DERIVED["gpu tcp limit"], "staged socket")}
 
 

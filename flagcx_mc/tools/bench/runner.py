@@ -486,7 +486,7 @@ def _measure_shape(op: str, block: int, count: int, live: list[Transport], procs
                                     "bytes": _limit_bytes(span, reps), "gbps": gbps,
                                     "trials_gbps": limit_gbps[name], "steal": steal_share,
                                     "steal_attempts": steal_attempts,
-                                    "streams": opts.streams if name == "raw socket" else None})
+                                    "streams": opts.streams if name in ("raw socket", "socket calls") else None})
         progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
     for t in live:
         if t.name not in procs:
