@@ -346,8 +346,8 @@ int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total,
  * other (k = 1), or by k client threads that poll for the call instead of sleeping, so no thread
  * wake-up is paid on the calling side; the target's threads sleep in recv as any server does.
  * Every k of 1, 2, 4, ... up to `streams` is tried (threads only while k client plus k server
- * threads fit the CPUs: polling threads on too few CPUs measure the scheduler) and the best is
- * returned.  No engine that answers each call can beat this by much; the raw socket, which
+ * threads fit the `cpus` the caller may use: polling threads on too few CPUs measure the
+ * scheduler) and the best is returned.  No engine that answers each call can beat this by much; the raw socket, which
  * streams without answers, can be far above it for calls of a few hundred KiB. */
 #define BL_RPC_ANSWER 16
 
@@ -494,14 +494,13 @@ static int rpc_run(int k, int threads, uint64_t span, uint64_t calls, uint8_t *s
     return rc;
 }
 
-int fmc_baseline_tcp_calls(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
+int fmc_baseline_tcp_calls(int streams, int cpus, uint64_t block, uint64_t span, uint64_t total, double *gbps_out)
 {
     int rc = tcp_check(streams, block, span, total, gbps_out);
     if (rc < 0)
         return rc;
     /* As many calls as the bench's timed loops make of this shape at most (1000), at least 2. */
     uint64_t calls = total / span < 2 ? 2 : total / span > 1000 ? 1000 : total / span;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     uint8_t *src = map_touched(span, 0x5a), *dst = src ? map_touched(span, 0) : NULL;
     if (!dst) {
         if (src)

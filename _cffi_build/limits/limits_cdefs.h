@@ -5,7 +5,7 @@
 const char *fmc_last_error(void);
 int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
 int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
-int fmc_baseline_tcp_calls(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
+int fmc_baseline_tcp_calls(int streams, int cpus, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
 int fmc_baseline_tcp_staged(int streams, int device, uint64_t block, uint64_t span, uint64_t total,
                             double *gbps_out);
 int fmc_baseline_pvm(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);

@@ -35,6 +35,8 @@ The ratios of measured rows against these limits are made by ``report``.
 
 from __future__ import annotations
 
+import os
+
 from ... import errors
 from ._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
@@ -90,11 +92,14 @@ def tcp_gbps(streams: int, block: int, span: int, total: int) -> float:
     return _out(lib.fmc_baseline_tcp(streams, block, span, total, gbps), gbps, "raw socket baseline")
 
 
-def tcp_calls_gbps(streams: int, block: int, span: int, total: int) -> float:
+def tcp_calls_gbps(streams: int, block: int, span: int, total: int, cpus: int | None = None) -> float:
     """Loopback TCP used call by call: ``span`` bytes a call, answered, over the best split of up
-    to ``streams`` connections (``socket calls``)."""
+    to ``streams`` connections (``socket calls``); splits sent by polling client threads only
+    where they and the receivers fit ``cpus`` (default: the CPUs this process may run on)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gbps = ffi.new("double *")
-    return _out(lib.fmc_baseline_tcp_calls(streams, block, span, total, gbps), gbps, "socket calls baseline")
+    return _out(lib.fmc_baseline_tcp_calls(streams, cpus, block, span, total, gbps), gbps, "socket calls baseline")
 
 
 def tcp_staged_gbps(streams: int, block: int, span: int, total: int, device: int = 0) -> float:
