@@ -441,12 +441,16 @@ static int rpc_run(int k, int threads, uint64_t span, uint64_t calls, uint8_t *s
         fmc_tune_socket(c->sfd);
     }
     close(lfd);
-    for (int i = 0; i < k && rc == 0; i++, nserv++)
-        if (pthread_create(&servers[i], NULL, rpc_server, &conns[i]) != 0)
-            rc = FMC_ERR_MEMORY;
-    for (int i = 0; threads && i < k && rc == 0; i++, ncli++)
-        if (pthread_create(&clients[i], NULL, rpc_client, &conns[i]) != 0)
-            rc = FMC_ERR_MEMORY;
+    for (; nserv < k && rc == 0; nserv++)
+        if (pthread_create(&servers[nserv], NULL, rpc_server, &conns[nserv]) != 0)
+            break;
+    for (; threads && ncli < k && rc == 0 && nserv == k; ncli++)
+        if (pthread_create(&clients[ncli], NULL, rpc_client, &conns[ncli]) != 0)
+            break;
+    if (rc == 0 && (nserv < k || (threads && ncli < k))) {
+        fmc_set_error("baseline: cannot start the call threads");
+        rc = FMC_ERR_MEMORY;
+    }
     double t0 = now_s();
     uint8_t answer[BL_RPC_ANSWER];
     for (uint64_t call = 1; call <= calls && rc == 0; call++) {
