@@ -56,8 +56,8 @@ __all__ = [
 ]
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
-BASELINES = ("mooncake", "raw socket", "socket calls", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h", "cuda h2d",
-             "gpu tcp limit", "staged socket")
+BASELINES = ("mooncake", "raw socket", "socket calls", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h",
+             "cuda h2d", "gpu tcp limit", "staged socket")
 
 # Baselines computed from others measured in the same rounds: the smallest of them.
 _DERIVED = {"gpu tcp limit": ("raw socket", "cuda d2h", "cuda h2d")}
