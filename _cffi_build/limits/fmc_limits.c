@@ -228,6 +228,26 @@ static void dma_buffer_free(uint8_t *buf);
 static int dma_start(bl_dma *d, bl_stream_end *ends, int streams, uint64_t buf_len, bl_gate *gate);
 static int dma_finish(bl_dma *d);
 
+/* One loopback connection to the listener `lfd` on `port`, both ends tuned as the engine's
+ * streams are: 0, or an FMC_ERR_* code with the ends left at -1. */
+static int connect_pair(int lfd, int port, int *client_fd, int *server_fd)
+{
+    int c = fmc_tcp_connect("127.0.0.1", port, 5000);
+    if (c < 0)
+        return c;
+    int sv = accept(lfd, NULL, NULL);
+    if (sv < 0) {
+        fmc_set_error("baseline: accept failed: %s", strerror(errno));
+        close(c);
+        return FMC_ERR_SOCKET;
+    }
+    fmc_tune_socket(c);
+    fmc_tune_socket(sv);
+    *client_fd = c;
+    *server_fd = sv;
+    return 0;
+}
+
 static int tcp_check(int streams, uint64_t block, uint64_t span, uint64_t total, const double *gbps_out)
 {
     int rc = check_shape(block, span, total, gbps_out);
@@ -265,20 +285,8 @@ static int tcp_run(int streams, uint64_t block, uint64_t span, uint64_t total, b
     rc = 0;
     for (int s = 0; s < streams && rc == 0; s++) {
         bl_stream_end *tx = &ends[2 * s], *rx = &ends[2 * s + 1];
-        tx->fd = fmc_tcp_connect("127.0.0.1", port, 5000);
-        if (tx->fd < 0) {
-            rc = tx->fd;
-            tx->fd = -1;
+        if ((rc = connect_pair(lfd, port, &tx->fd, &rx->fd)) < 0)
             break;
-        }
-        rx->fd = accept(lfd, NULL, NULL);
-        if (rx->fd < 0) {
-            fmc_set_error("baseline: accept failed: %s", strerror(errno));
-            rc = FMC_ERR_SOCKET;
-            break;
-        }
-        fmc_tune_socket(tx->fd);
-        fmc_tune_socket(rx->fd);
         tx->buf = dma ? dma_buffer(buf_len, 0x5a) : map_touched(buf_len, 0x5a);
         rx->buf = !tx->buf ? NULL : dma ? dma_buffer(buf_len, 0) : map_touched(buf_len, 0);
         if (rx->buf == NULL) {
@@ -426,19 +434,8 @@ static int rpc_run(int k, int threads, uint64_t span, uint64_t calls, uint8_t *s
         c->src = src + share * (uint64_t)i;
         c->dst = dst + share * (uint64_t)i;
         c->calls = calls;
-        c->cfd = fmc_tcp_connect("127.0.0.1", port, 5000);
-        if (c->cfd < 0) {
-            rc = c->cfd;
+        if ((rc = connect_pair(lfd, port, &c->cfd, &c->sfd)) < 0)
             break;
-        }
-        c->sfd = accept(lfd, NULL, NULL);
-        if (c->sfd < 0) {
-            fmc_set_error("baseline: accept failed: %s", strerror(errno));
-            rc = FMC_ERR_SOCKET;
-            break;
-        }
-        fmc_tune_socket(c->cfd);
-        fmc_tune_socket(c->sfd);
     }
     close(lfd);
     for (; nserv < k && rc == 0; nserv++)
