@@ -206,6 +206,14 @@ def check_local_congestion_control(name: str | None = None) -> str | None:
     return None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), or the machine's where that is unknown."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_streams() -> int:
     """Data connections per peer: half the CPUs this process may run on, from 4 up to 8.
 
@@ -214,11 +222,7 @@ def default_streams() -> int:
     streams moved 1.3-2.2x the bytes of 4 for blocks of 16 KiB and more; 16 added little more
     while doubling the threads per peer.  Two cores still get 4: fewer left idle gaps.
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return min(8, max(4, cpus // 2))
+    return min(8, max(4, usable_cpus() // 2))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -355,8 +355,9 @@ int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total,
  * wake-up is paid on the calling side; the target's threads sleep in recv as any server does.
  * Every k of 1, 2, 4, ... up to `streams` is tried (threads only while k client plus k server
  * threads fit the `cpus` the caller may use: polling threads on too few CPUs measure the
- * scheduler) and the best is returned.  No engine that answers each call can beat this by much; the raw socket, which
- * streams without answers, can be far above it for calls of a few hundred KiB. */
+ * scheduler) and the best is returned.  No engine that answers each call can beat this by
+ * much; the raw socket, which streams without answers, can be far above it for calls of a few
+ * hundred KiB. */
 #define BL_RPC_ANSWER 16
 
 typedef struct {
@@ -509,16 +510,15 @@ int fmc_baseline_tcp_calls(int streams, int cpus, uint64_t block, uint64_t span,
         return FMC_ERR_MEMORY;
     }
     double best = 0;
-    for (int k = 1; k <= streams && rc == 0; k = k * 2 > streams && k < streams ? streams : k * 2) {
-        if ((uint64_t)k > span)
-            break;
+    /* k = 1, 2, 4, ... and `streams` itself last when it is no power of two. */
+    for (int k = 1; k <= streams && rc == 0; k = k < streams && k * 2 > streams ? streams : k * 2) {
         int threads = k > 1;
-        if (threads && 2 * k > cpus)
+        if ((uint64_t)k > span || (threads && 2 * k > cpus))
             break;
         double seconds = 0;
         rc = rpc_run(k, threads, span, calls, src, dst, &seconds);
-        if (rc == 0 && seconds > 0 && (double)(span * calls) / seconds / 1e9 > best)
-            best = (double)(span * calls) / seconds / 1e9;
+        double gbps = rc == 0 && seconds > 0 ? (double)(span * calls) / seconds / 1e9 : 0;
+        best = gbps > best ? gbps : best;
     }
     munmap(src, span);
     munmap(dst, span);

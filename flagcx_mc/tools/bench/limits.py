@@ -35,9 +35,8 @@ The ratios of measured rows against these limits are made by ``report``.
 
 from __future__ import annotations
 
-import os
-
 from ... import errors
+from ...config import usable_cpus
 from ._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 __all__ = [
@@ -96,10 +95,9 @@ def tcp_calls_gbps(streams: int, block: int, span: int, total: int, cpus: int | 
     """Loopback TCP used call by call: ``span`` bytes a call, answered, over the best split of up
     to ``streams`` connections (``socket calls``); splits sent by polling client threads only
     where they and the receivers fit ``cpus`` (default: the CPUs this process may run on)."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gbps = ffi.new("double *")
-    return _out(lib.fmc_baseline_tcp_calls(streams, cpus, block, span, total, gbps), gbps, "socket calls baseline")
+    rc = lib.fmc_baseline_tcp_calls(streams, usable_cpus() if cpus is None else cpus, block, span, total, gbps)
+    return _out(rc, gbps, "socket calls baseline")
 
 
 def tcp_staged_gbps(streams: int, block: int, span: int, total: int, device: int = 0) -> float:
