@@ -60,6 +60,8 @@ const char *fmc_version(void);
 const char *fmc_last_error(void);
 int fmc_data_header_size(void);
 int fmc_cuda_usable(void);
+/* Whether this kernel takes the per-socket TCP_RTO_MIN_US and TCP_DELACK_MAX_US (Linux 6.15+). */
+int fmc_tcp_timer_options_supported(void);
 /* GPUs by identity (16-byte UUIDs, as cuDeviceGetUuid gives them), and the devices this process
  * holds a primary context on (count; fills up to cap ordinals and UUIDs). */
 int fmc_cuda_device_uuid(int ordinal, uint8_t *uuid16);
@@ -81,6 +83,8 @@ typedef struct {
     int zerocopy;        /* vmsplice + splice for large write payloads and read answers */
     int gpu_copy;        /* FMC_GPU_COPY_*: how scattered GPU blocks are staged for TCP */
     uint64_t gpu_staging; /* bytes of pinned staging chunks GPU memory crosses TCP through */
+    int rto_min_us;      /* TCP_RTO_MIN_US of every data connection (0: the kernel's; Linux 6.15+) */
+    int delack_max_us;   /* TCP_DELACK_MAX_US of every data connection (0: the kernel's; Linux 6.15+) */
 } fmc_options;
 enum { FMC_GPU_COPY_AUTO = 0, FMC_GPU_COPY_KERNEL = 1, FMC_GPU_COPY_BATCH = 2, FMC_GPU_COPY_SINGLE = 3 };
 void fmc_options_default(fmc_options *opts);

@@ -144,6 +144,8 @@ class CoreEngine:
         opts.gpu_copy = {"auto": lib.FMC_GPU_COPY_AUTO, "kernel": lib.FMC_GPU_COPY_KERNEL,
                          "batch": lib.FMC_GPU_COPY_BATCH, "single": lib.FMC_GPU_COPY_SINGLE}[config.gpu_copy]
         opts.gpu_staging = int(config.gpu_staging)
+        opts.rto_min_us = int(config.rto_min_us)
+        opts.delack_max_us = int(config.delack_max_us)
         out = ffi.new("fmc_engine **")
         rc = lib.fmc_engine_create(bind_host.encode(), port_min, port_max, opts, out)
         _raise_for(rc, f"cannot start the data listener on {bind_host}")

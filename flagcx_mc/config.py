@@ -225,6 +225,12 @@ def default_streams() -> int:
     return min(8, max(4, usable_cpus() // 2))
 
 
+# TCP_RTO_MIN_US and TCP_DELACK_MAX_US: Linux takes 1 ms (rounded up to its timer tick, and
+# refused below about one tick) to 200 ms, its default floor.
+TCP_TIMER_MIN_US = 1000
+TCP_TIMER_MAX_US = 200_000
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine; ``from_env`` applies the environment, then keyword overrides."""
@@ -256,6 +262,8 @@ class EngineConfig:
     zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
     gpu_copy: str = "auto"               # staging scattered GPU blocks for TCP: auto, kernel, batch or single
     gpu_staging: int = 64 << 20          # bytes of pinned staging chunks GPU memory crosses TCP through
+    rto_min_us: int = 5000               # TCP_RTO_MIN_US of data connections (Linux 6.15+); 0: the kernel's 200 ms
+    delack_max_us: int = 5000            # TCP_DELACK_MAX_US of data connections (Linux 6.15+); 0: the kernel's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefault", prefault_mode(self.prefault))  # True/False/1/0 accepted too
@@ -289,6 +297,8 @@ class EngineConfig:
             "zerocopy": _env_flag("FLAGCX_MC_ZEROCOPY"),
             "gpu_copy": os.environ.get("FLAGCX_MC_GPU_COPY") or None,
             "gpu_staging": _env_number("FLAGCX_MC_GPU_STAGING", int),
+            "rto_min_us": _env_number("FLAGCX_MC_RTO_MIN_US", int),
+            "delack_max_us": _env_number("FLAGCX_MC_DELACK_MAX_US", int),
         }
         values.update({k: v for k, v in own.items() if v is not None})
         env_secret = os.environ.get("FLAGCX_MC_SECRET")
@@ -331,6 +341,12 @@ class EngineConfig:
             raise InvalidArgumentError(f"gpu_copy must be one of {', '.join(GPU_COPY_MODES)}, not {self.gpu_copy!r}")
         if not (4 << 20) <= self.gpu_staging <= (16 << 30):
             raise InvalidArgumentError("gpu_staging must be in [4 MiB, 16 GiB]")
+        for name in ("rto_min_us", "delack_max_us"):
+            value = getattr(self, name)
+            if type(value) is not int or not (value == 0 or TCP_TIMER_MIN_US <= value <= TCP_TIMER_MAX_US):
+                raise InvalidArgumentError(
+                    f"{name} must be 0 (the kernel's) or {TCP_TIMER_MIN_US}..{TCP_TIMER_MAX_US} microseconds, "
+                    f"not {value!r}")
         if self.secret is not None and not (isinstance(self.secret, bytes) and 1 <= len(self.secret) <= 256):
             raise InvalidArgumentError("secret must be 1 to 256 bytes")
         for name in ("rpc_port_range", "data_port_range"):

@@ -18,12 +18,26 @@ def test_keywords_win_over_the_environment(monkeypatch):
     assert config.rpc_port_range == (16200, 16201) and config.accept_mooncake_wire is True
 
 
+def test_tcp_timers_default_to_a_datacenters_and_come_from_the_environment(monkeypatch):
+    config = EngineConfig.from_env()
+    assert (config.rto_min_us, config.delack_max_us) == (5000, 5000)
+    monkeypatch.setenv("FLAGCX_MC_RTO_MIN_US", "0")
+    monkeypatch.setenv("FLAGCX_MC_DELACK_MAX_US", "20000")
+    config = EngineConfig.from_env()
+    assert (config.rto_min_us, config.delack_max_us) == (0, 20000)
+    assert EngineConfig.from_env(rto_min_us=10000).rto_min_us == 10000
+
+
 @pytest.mark.parametrize("bad", [
     {"rpc_port_range": (17000, 16000)},
     {"rpc_port_range": 16000},
     {"handshake_max_length": 4096},
     {"accept_mooncake_wire": "yes"},
     {"no_such_setting": 1},
+    {"rto_min_us": 500},
+    {"rto_min_us": 300_000},
+    {"delack_max_us": -1},
+    {"delack_max_us": 5.5},
 ])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(InvalidArgumentError):

@@ -40,6 +40,8 @@ void fmc_options_default(fmc_options *o)
     o->copy_threads = 0;
     o->zerocopy = 1;
     o->gpu_staging = 64u << 20;
+    o->rto_min_us = FMC_RTO_MIN_US_DEFAULT;
+    o->delack_max_us = FMC_DELACK_MAX_US_DEFAULT;
 }
 
 int fmc_engine_create(const char *bind_host, int port_min, int port_max, const fmc_options *opts,
@@ -80,6 +82,7 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
         return fd;
     }
     e->listen_fd = fd;
+    fmc_tcp_timers_early(fd, &e->opts); /* inherited by every accepted connection */
     if (pipe2(e->wake_pipe, O_CLOEXEC) != 0 ||
         pthread_create(&e->accept_thread, NULL, fmc_server_accept_main, e) != 0) {
         fmc_set_error("cannot start the data listener thread: %s", strerror(errno));

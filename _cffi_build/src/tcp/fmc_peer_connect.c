@@ -68,7 +68,7 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
     int n = 0;
     for (; n < p->nstreams; n++) {
         int64_t left = deadline - fmc_now_ms();
-        int fd = left > 0 ? fmc_tcp_connect_cc(p->host, p->data_port, (int)left, p->engine->opts.local_cc) : FMC_ERR_TIMEOUT;
+        int fd = left > 0 ? fmc_tcp_connect_opts(p->host, p->data_port, (int)left, &p->engine->opts) : FMC_ERR_TIMEOUT;
         if (fd < 0) {
             if (fd == FMC_ERR_TIMEOUT)
                 fmc_set_error("connecting to %s:%d timed out", p->host, p->data_port);

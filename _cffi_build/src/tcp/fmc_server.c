@@ -1042,7 +1042,7 @@ static void start_conn(fmc_engine *e, int fd)
         close(fd);
         return;
     }
-    fmc_tune_socket_cc(fd, e->opts.local_cc);
+    fmc_tune_socket_opts(fd, &e->opts);
     c->fd = fd;
     cs->e = e;
     cs->c = c;

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,30 +45,84 @@ static int link_is_local(int fd)
     return 0;
 }
 
+/* Per-socket TCP timers (Linux 6.15+; older headers lack the names). */
+#ifndef TCP_RTO_MIN_US
+#define TCP_RTO_MIN_US 45
+#endif
+#ifndef TCP_DELACK_MAX_US
+#define TCP_DELACK_MAX_US 46
+#endif
+
+/* A lost packet that no later packet reveals (the tail of a call on each of its streams) waits for
+ * the retransmission timer, at least 200 ms by default: a call of a few milliseconds then lasts
+ * 40 times longer.  A datacenter's round trips are tens of microseconds, so its RTO floor can be
+ * milliseconds (as `ip route ... rto_min` sets per route); the delayed-ACK ceiling bounds how long
+ * a receiver sits on the ACK a tail loss probe is waiting for.
+ *
+ * They are set before the handshake (on the listening socket, whose connections inherit them, and
+ * on a connecting socket before connect): the kernel's variance estimate starts at the RTO floor in
+ * force at the first RTT sample and decays only a quarter per round trip, so options set after
+ * the handshake leave the RTO near 200 ms for hundreds of round trips.  Connections within this
+ * host get them too (which host a listener's next connection comes from is not known before its
+ * handshake); loopback loses no packet, so there they never fire.  The kernel
+ * rounds up to its timer tick and refuses values below about a tick (then the value is doubled
+ * until it is taken); a kernel before 6.15 refuses the options altogether, and connections keep
+ * its defaults. */
+static void set_tcp_timer(int fd, int option, int us)
+{
+    for (; us > 0 && us <= 200000; us *= 2)
+        if (setsockopt(fd, IPPROTO_TCP, option, &us, sizeof us) == 0 || errno != EINVAL)
+            return;
+}
+
+void fmc_tcp_timers_early(int fd, const fmc_options *o)
+{
+    set_tcp_timer(fd, TCP_RTO_MIN_US, o->rto_min_us);
+    set_tcp_timer(fd, TCP_DELACK_MAX_US, o->delack_max_us);
+}
+
+int fmc_tcp_timer_options_supported(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return 0;
+    int v = 200000; /* the kernel's own floor: valid wherever the option exists */
+    int ok = setsockopt(fd, IPPROTO_TCP, TCP_RTO_MIN_US, &v, sizeof v) == 0 &&
+             setsockopt(fd, IPPROTO_TCP, TCP_DELACK_MAX_US, &v, sizeof v) == 0;
+    close(fd);
+    return ok;
+}
+
+/* What an engine made with the environment's settings would use: for callers without an engine
+ * (the benchmark's raw socket). */
+static fmc_options env_opts;
+static pthread_once_t env_opts_once = PTHREAD_ONCE_INIT;
+
+static void env_options_init(void)
+{
+    const char *cc = getenv("FLAGCX_MC_LOCAL_CC");
+    snprintf(env_opts.local_cc, sizeof env_opts.local_cc, "%s", cc ? cc : "reno");
+    env_opts.rto_min_us = FMC_RTO_MIN_US_DEFAULT;
+    env_opts.delack_max_us = FMC_DELACK_MAX_US_DEFAULT;
+}
+
+static const fmc_options *env_options(void)
+{
+    pthread_once(&env_opts_once, env_options_init);
+    return &env_opts;
+}
+
 /* A connection within this host never meets a network, so congestion control has nothing to
  * control; BBR (the default on many hosts, this VM's too) still paces every send with timers,
  * which cost 9-37 % of loopback throughput on 2 cores. Such connections use reno (always built
  * in, and allowed to unprivileged processes) by default; an engine's local_cc option
  * (FLAGCX_MC_LOCAL_CC) names another, or "" keeps the host's default. Connections to other hosts
- * keep the host's choice. */
-static void use_local_congestion_control(int fd, const char *cc)
-{
-    if (*cc && link_is_local(fd))
-        setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, cc, (socklen_t)strlen(cc));
-}
-
-/* What an engine made with the environment's settings would use: for callers without an engine
- * (the benchmark's raw socket). */
-static const char *env_local_cc(void)
-{
-    const char *cc = getenv("FLAGCX_MC_LOCAL_CC");
-    return cc ? cc : "reno";
-}
-
-/* TCP_NODELAY for small requests; keepalive and a user timeout so that a connection to a host
- * that vanished (no FIN, no RST: a cut cable, a crashed machine) ends within about 30 s instead of
- * holding its fd, thread and buffers forever; no pacing within this host. */
-void fmc_tune_socket_cc(int fd, const char *local_cc)
+ * keep the host's choice.
+ *
+ * Every connection: TCP_NODELAY for small requests; keepalive and a user timeout so that a
+ * connection to a host that vanished (no FIN, no RST: a cut cable, a crashed machine) ends within
+ * about 30 s instead of holding its fd, thread and buffers forever. */
+void fmc_tune_socket_opts(int fd, const fmc_options *opts)
 {
     int one = 1, idle = 15, interval = 5, count = 3;
     unsigned int user_timeout_ms = 30000;
@@ -77,10 +132,13 @@ void fmc_tune_socket_cc(int fd, const char *local_cc)
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
-    use_local_congestion_control(fd, local_cc);
+    if (link_is_local(fd)) {
+        if (*opts->local_cc)
+            setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, opts->local_cc, (socklen_t)strlen(opts->local_cc));
+    }
 }
 
-void fmc_tune_socket(int fd) { fmc_tune_socket_cc(fd, env_local_cc()); }
+void fmc_tune_socket(int fd) { fmc_tune_socket_opts(fd, env_options()); }
 
 /* A port in [lo, hi], or -1 (error set) without random bytes. */
 static int random_port(int lo, int hi)
@@ -145,7 +203,7 @@ int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out)
 }
 
 /* Connect with a bounded wait; returns a blocking socket or a negative code. */
-int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *local_cc)
+int fmc_tcp_connect_opts(const char *host, int port, int timeout_ms, const fmc_options *opts)
 {
     struct addrinfo hints, *res = NULL;
     char service[16];
@@ -167,6 +225,7 @@ int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *l
             err = errno;
             continue;
         }
+        fmc_tcp_timers_early(fd, opts);
         if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
             err = errno;
             close(fd);
@@ -180,7 +239,7 @@ int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *l
         if (pr == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr == 0) {
             int flags = fcntl(fd, F_GETFL);
             fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-            fmc_tune_socket_cc(fd, local_cc);
+            fmc_tune_socket_opts(fd, opts);
             freeaddrinfo(res);
             return fd;
         }
@@ -194,5 +253,5 @@ int fmc_tcp_connect_cc(const char *host, int port, int timeout_ms, const char *l
 
 int fmc_tcp_connect(const char *host, int port, int timeout_ms)
 {
-    return fmc_tcp_connect_cc(host, port, timeout_ms, env_local_cc());
+    return fmc_tcp_connect_opts(host, port, timeout_ms, env_options());
 }

@@ -209,10 +209,10 @@ class WorkerProcess(EngineProcess):
 
     def __init__(self, engine: str = "flagcx_mc", size: int = 1 << 20, memory: str = "host",
                  config: dict | None = None, env: dict[str, str] | None = None, host: str = "127.0.0.1",
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, argv_prefix: list[str] | None = None) -> None:
         super().__init__("flagcx_mc.tools.bench.worker",
                          {"engine": engine, "host": host, "size": size, "memory": memory, "config": config},
-                         env=env, start_timeout=start_timeout)
+                         env=env, start_timeout=start_timeout, argv_prefix=argv_prefix)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Links that lose packets: two hosts (network namespaces) on one veth pair, shaped by the
+bench's own ``ShapedLink`` (tbf rate, nftables drops on each input hook, offloads off so that a
+drop is one packet).
+
+Connections to other hosts get short TCP timers (``rto_min_us``, ``delack_max_us``) where the
+kernel has them, so a lost packet at a call's tail costs milliseconds instead of the 200 ms
+minimum RTO; a kernel without them is no error.  Every transfer is verified by content.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from flagcx_mc._core import lib
+from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.tools.bench import link as shaped
+
+MIB = 1 << 20
+KERNEL_RTO_MIN_MS = 200  # Linux's TCP_RTO_MIN
+
+
+@pytest.fixture
+def link():
+    why = shaped.unavailable()
+    if why:
+        pytest.skip(why)
+    with shaped.ShapedLink() as made:
+        yield made
+
+
+def _pair(link: shaped.ShapedLink, size: int, config: dict | None = None, env: dict | None = None):
+    initiator_prefix, target_prefix = link.prefixes
+    config = dict(config or {}, transport="tcp")
+    target = NodeProcess(host=link.target_addr, regions=[size], config=config, env=env, argv_prefix=target_prefix)
+    try:
+        initiator = NodeProcess(host=link.initiator_addr, regions=[size], config=config, env=env,
+                                argv_prefix=initiator_prefix)
+    except BaseException:
+        target.close()
+        raise
+    return initiator, target
+
+
+def _write_verified(initiator: NodeProcess, target: NodeProcess, length: int) -> None:
+    digest = initiator.call("fill", region=0, offset=0, length=length)["digest"]
+    target.call("set", region=0, byte=0, offset=0, length=length)
+    reply = initiator.call("transfer", op="write", target=target.session, items=[[0, 0, target.addr(0), length]],
+                           timeout=60.0)
+    assert reply["rc"] == 0, reply
+    assert target.call("digest", region=0, offset=0, length=length)["digest"] == digest
+
+
+def _read_verified(initiator: NodeProcess, target: NodeProcess, length: int) -> None:
+    digest = target.call("fill", region=0, offset=0, length=length)["digest"]
+    initiator.call("set", region=0, byte=0, offset=0, length=length)
+    reply = initiator.call("transfer", op="read", target=target.session, items=[[0, 0, target.addr(0), length]],
+                           timeout=60.0)
+    assert reply["rc"] == 0, reply
+    assert initiator.call("digest", region=0, offset=0, length=length)["digest"] == digest
+
+
+def _data_connection_rtos(link: shaped.ShapedLink, target: NodeProcess) -> list[float]:
+    """The RTO (ms) of every established connection the target holds with the initiator, but the
+    handshake's: the data connections, as the kernel reports them."""
+    rpc_port = int(target.session.rsplit(":", 1)[1])
+    out = subprocess.run(link.prefixes[1] + ["ss", "-tinH", "state", "established", "dst", link.initiator_addr],
+                         capture_output=True, text=True, check=True, timeout=10).stdout
+    rtos: list[float] = []
+    # ss prints each socket as an address line followed by an indented line of its TCP info.
+    for head, info in zip(out.splitlines()[0::2], out.splitlines()[1::2], strict=False):
+        local = head.split()[2] if len(head.split()) > 2 else ""
+        if local.endswith(f":{rpc_port}"):
+            continue
+        found = re.search(r"\brto:(\d+(?:\.\d+)?)", info)
+        if found:
+            rtos.append(float(found.group(1)))
+    return rtos
+
+
+def _require_timer_options() -> None:
+    if not lib.fmc_tcp_timer_options_supported():
+        pytest.skip("this kernel has no per-socket TCP_RTO_MIN_US / TCP_DELACK_MAX_US (Linux 6.15+)")
+
+
+def test_connections_to_another_host_get_the_short_retransmission_timer(link):
+    _require_timer_options()
+    initiator, target = _pair(link, 4 * MIB)
+    try:
+        _write_verified(initiator, target, 4 * MIB)
+        rtos = _data_connection_rtos(link, target)
+    finally:
+        initiator.close()
+        target.close()
+    assert len(rtos) >= 4, rtos  # one per stream
+    # 5 ms asked for, rounded up to the kernel's timer tick (4 ms at HZ=250): far under 200 ms.
+    assert all(r < 50 for r in rtos), rtos
+
+
+def test_a_zero_setting_keeps_the_kernels_timers(link):
+    initiator, target = _pair(link, MIB, config={"rto_min_us": 0, "delack_max_us": 0})
+    try:
+        _write_verified(initiator, target, MIB)
+        rtos = _data_connection_rtos(link, target)
+    finally:
+        initiator.close()
+        target.close()
+    assert rtos and all(r >= KERNEL_RTO_MIN_MS for r in rtos), rtos
+
+
+def test_a_setting_under_the_kernels_tick_is_rounded_up_not_dropped(link):
+    """1 ms is under one tick on most kernels, which refuse it: the next value they take is
+    used instead of the 200 ms default."""
+    _require_timer_options()
+    initiator, target = _pair(link, MIB, config={"rto_min_us": 1000, "delack_max_us": 1000})
+    try:
+        _write_verified(initiator, target, MIB)
+        rtos = _data_connection_rtos(link, target)
+    finally:
+        initiator.close()
+        target.close()
+    assert rtos and all(r < 50 for r in rtos), rtos
+
+
+@pytest.fixture(scope="module")
+def old_kernel_shim(tmp_path_factory) -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the setsockopt shim")
+    src = os.path.join(os.path.dirname(__file__), "helpers", "old_kernel_tcp_timers.c")
+    out = str(tmp_path_factory.mktemp("oldkernel") / "old_kernel_tcp_timers.so")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, "-ldl"], check=True)
+    return out
+
+
+def test_a_kernel_without_the_timer_options_is_not_an_error(link, old_kernel_shim):
+    """Before Linux 6.15 the options are refused: the engines start, move verified data and keep
+    the kernel's timers (README: what such kernels need instead)."""
+    initiator, target = _pair(link, 4 * MIB, env={"LD_PRELOAD": old_kernel_shim})
+    try:
+        _write_verified(initiator, target, 4 * MIB)
+        _read_verified(initiator, target, 4 * MIB)
+        rtos = _data_connection_rtos(link, target)
+    finally:
+        initiator.close()
+        target.close()
+    assert rtos and all(r >= KERNEL_RTO_MIN_MS for r in rtos), rtos
+
+
+@pytest.mark.parametrize("loss", [0.001, 0.01], ids=["0.1%", "1%"])
+def test_a_lossy_link_still_moves_verified_data_within_the_deadline(link, loss):
+    """Writes and reads of 16 MiB over a 10 Gbit link that drops packets in both directions, each
+    call within a 10 s deadline; the namespaces' counters show that packets were really lost."""
+    link.shape(shaped.LinkSpec(rate="10gbit", loss=loss))
+    initiator, target = _pair(link, 16 * MIB, config={"transfer_timeout": 10.0})
+    try:
+        before = link.counters()
+        for _ in range(3):
+            _write_verified(initiator, target, 16 * MIB)
+            _read_verified(initiator, target, 16 * MIB)
+        after = link.counters()
+    finally:
+        initiator.close()
+        target.close()
+    assert after["retrans_segs"] > before["retrans_segs"], "no packet was lost: the link is not lossy"
+
+
+def test_link_specs_parse_and_bad_ones_are_refused():
+    assert shaped.parse_link("clean") == shaped.LinkSpec()
+    assert shaped.parse_link("10gbit,loss=0.1%") == shaped.LinkSpec("10gbit", 0.001)
+    assert shaped.parse_link("loss=0.01").loss == 0.01
+    assert shaped.parse_link("10gbit").kind == "shaped"
+    assert shaped.parse_link("10gbit,loss=1%").kind == "lossy"
+    for bad in ("fast", "loss=lots", "loss=80%", "10 gbit"):
+        with pytest.raises(ValueError):
+            shaped.parse_link(bad)
+
+
+def test_counter_files_parse():
+    text = ("TcpExt: TCPTimeouts TCPLossProbes\nTcpExt: 3 7\n"
+            "Tcp: RtoAlgorithm RetransSegs\nTcp: 1 42\n")
+    found = shaped._parse_counter_file(text)
+    assert found[("TcpExt", "TCPTimeouts")] == 3 and found[("Tcp", "RetransSegs")] == 42
+
