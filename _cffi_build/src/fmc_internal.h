@@ -150,6 +150,8 @@ int fmc_tcp_connect(const char *host, int port, int timeout_ms);
 void fmc_tune_socket_opts(int fd, const fmc_options *opts);
 void fmc_tcp_timers_early(int fd, const fmc_options *opts); /* before connect, or on a listener */
 void fmc_tune_socket(int fd);
+/* Both ends of a connected socket are on this host (a loopback peer, or our own address). */
+int fmc_socket_is_local(int fd);
 int fmc_tcp_connect_opts(const char *host, int port, int timeout_ms, const fmc_options *opts);
 void fmc_set_recv_timeout(int fd, int seconds); /* 0: none */
 
@@ -481,6 +483,7 @@ typedef struct fmc_stream {
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
     int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
+    int zc_link;              /* the connection stays within this host: zero-copy sends pay off */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
     int dead;

@@ -68,11 +68,19 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--async", dest="async_calls", action="store_true",
                        help="only the async facade: calls/s beside the sync facade and asyncio.to_thread, 1/16/64 "
                             "coroutines, on asyncio's loop and uvloop (about a minute), with its targets")
+    bench.add_argument("--link", metavar="SPEC",
+                       help="run the TCP rows (tcp, mooncake-tcp) across two network namespaces over a shaped link, "
+                            "held against plain TCP streams on the same link, with TCP counters per call: 'clean', "
+                            "a rate such as 10gbit, loss=N%%, or both (10gbit,loss=0.1%%); needs root, tc, nft and "
+                            "ethtool. Defaults then: 64 KiB and 1 MiB blocks in 64 MiB calls, 3 trials")
+    bench.add_argument("--plain-streams", type=int, metavar="N",
+                       help="connections of the plain streams limit over a link (default 4)")
     bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from .bench.runner import TRANSPORTS, BenchOptions, run_bench
+    from .bench.link import parse_link
+    from .bench.runner import TRANSPORTS, BenchOptions, link_options, run_bench
     from .bench.targets import TargetsError, load_targets
 
     targets = None
@@ -97,6 +105,18 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     overrides.update(ops=args.ops, mooncake=not args.no_mooncake, targets=targets, targets_path=args.targets,
                      json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
+    if args.link is not None:
+        try:
+            spec = parse_link(args.link)
+        except ValueError as exc:
+            print(f"--link: {exc}", file=sys.stderr)
+            return 2
+        if args.plain_streams is not None:
+            if not 1 <= args.plain_streams <= 64:
+                print("--plain-streams takes 1 to 64", file=sys.stderr)
+                return 2
+            overrides["plain_streams"] = args.plain_streams
+        return run_bench(link_options(spec, **overrides))
     opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
     return run_bench(opts)
 

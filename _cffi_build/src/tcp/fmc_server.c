@@ -534,7 +534,7 @@ static int handshake(fmc_conn_state *cs)
     secret = cs->e->secret;
     pthread_mutex_unlock(&cs->e->mu);
     uint32_t caps = (flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0;
-    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled(cs->e))
+    if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled(cs->e) && fmc_socket_is_local(cs->c->fd))
         caps |= FMC_CAP_ZC_READS;
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
     memcpy(reply, FMC_MAGIC_OK, 8);

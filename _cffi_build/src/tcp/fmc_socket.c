@@ -25,7 +25,7 @@ void fmc_set_recv_timeout(int fd, int seconds)
 
 /* Whether both ends of a connected socket are on this host: a loopback peer, or the peer's
  * address is our own (traffic to a local address goes through the loopback device too). */
-static int link_is_local(int fd)
+int fmc_socket_is_local(int fd)
 {
     struct sockaddr_storage me, peer;
     socklen_t me_len = sizeof me, peer_len = sizeof peer;
@@ -132,7 +132,7 @@ void fmc_tune_socket_opts(int fd, const fmc_options *opts)
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
-    if (link_is_local(fd)) {
+    if (fmc_socket_is_local(fd)) {
         if (*opts->local_cc)
             setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, opts->local_cc, (socklen_t)strlen(opts->local_cc));
     }

@@ -16,7 +16,9 @@
  *
  * Where the kernel refuses (no vmsplice in a sandbox, a socket type splice cannot feed), the
  * first failure turns the feature off for the process and the bytes go out with sendmsg.
- * An engine's zerocopy option (FLAGCX_MC_ZEROCOPY=0) turns it off for that engine. */
+ * An engine's zerocopy option (FLAGCX_MC_ZEROCOPY=0) turns it off for that engine.  Connections to
+ * other hosts always copy: over a lossy, reordering link zero-copy sends cost twice the spurious
+ * retransmissions (fmc_stream.c, stream_zc). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>

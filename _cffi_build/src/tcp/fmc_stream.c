@@ -188,6 +188,12 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
     return FMC_REQ_SIZE;
 }
 
+/* Zero-copy sends on this stream (fmc_splice.c): only within this host, where they save the
+ * receiver's second copy.  Over a link that reorders and loses packets they measured twice the
+ * spurious retransmissions of copied sends and up to a quarter less throughput (BENCHMARKS.md,
+ * lossy links), for a copy the sender's CPU can afford at network rates. */
+static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enabled(st->peer->engine); }
+
 /* A round's iovecs [from, to) leave: zero-copy where flagged, by the deadline where one is set. */
 static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_t deadline_ms)
 {
@@ -199,8 +205,8 @@ static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_
         nzc += sc->zc[i];
     if (deadline_ms >= 0)
         return fmc_sendv_deadline(st->fd, iov, n, deadline_ms);
-    return nzc && fmc_zc_enabled(st->peer->engine) ? fmc_sendv_zc(st->fd, iov, n, sc->zc + from, st->zc_pipe)
-                                                   : fmc_sendv_all(st->fd, iov, n);
+    return nzc && stream_zc(st) ? fmc_sendv_zc(st->fd, iov, n, sc->zc + from, st->zc_pipe)
+                                : fmc_sendv_all(st->fd, iov, n);
 }
 
 /* A piece of a round in the send pipeline: iovecs [from, to), its GPU sources gathered into
@@ -489,7 +495,7 @@ static int finish_handoff(fmc_stream *st)
     if (sc->rest_gpu) /* then nothing was sent: the whole round goes through the pipeline */
         rc = send_gpu_round(st, sc, sc->rest_n, nw, -1);
     else
-        rc = sc->rest_nzc && fmc_zc_enabled(st->peer->engine)
+        rc = sc->rest_nzc && stream_zc(st)
                  ? fmc_sendv_zc(fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov), st->zc_pipe)
                  : fmc_sendv_all(fd, sc->rest, sc->rest_n);
     pthread_mutex_lock(&st->mu);

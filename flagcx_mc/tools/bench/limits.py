@@ -41,6 +41,7 @@ from ._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 __all__ = [
     "BASELINES",
+    "LINK_BASELINES",
     "BaselineUnavailable",
     "also_against",
     "cuda_d2d_gbps",
@@ -56,7 +57,10 @@ __all__ = [
 
 # Baseline names as they appear in tables and JSON ("vs <name>").
 BASELINES = ("mooncake", "raw socket", "socket calls", "raw pvm", "memcpy", "cuda d2d", "cuda d2d b2b", "cuda d2h",
-             "cuda h2d", "gpu tcp limit", "staged socket")
+             "cuda h2d", "gpu tcp limit", "staged socket", "plain streams")
+
+# Measured by the runner over a shaped link (plain_streams.py), not by this module.
+LINK_BASELINES = ("plain streams",)
 
 # Baselines computed from others measured in the same rounds: the smallest of them.
 _DERIVED = {"gpu tcp limit": ("raw socket", "cuda d2h", "cuda h2d")}

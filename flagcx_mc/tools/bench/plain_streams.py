@@ -18,6 +18,7 @@ import argparse
 import json
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -108,12 +109,18 @@ def _trial(conns: list[socket.socket], shares: list[int], op: str) -> float:
     return seconds
 
 
-def run_client(host: str, port: int, streams: int, total: int, op: str, trials: int) -> list[float]:
-    """Seconds of each trial of moving ``total`` bytes over ``streams`` connections."""
-    conns = [socket.create_connection((host, port), timeout=60) for _ in range(streams)]
-    shares = [total // streams + (1 if i < total % streams else 0) for i in range(streams)]
+def run_client(host: str, port: int, streams: int) -> None:
+    """Open ``streams`` connections, then answer each stdin line ``{"op", "bytes"}`` with
+    ``{"seconds"}`` of one trial over them, until stdin closes.  The connections live as long as
+    the client, as an engine's do, so no trial pays for a handshake or a fresh RTO estimate."""
+    conns = [socket.create_connection((host, port), timeout=600) for _ in range(streams)]
+    print(json.dumps({"connected": streams}), flush=True)
     try:
-        return [_trial(conns, shares, op) for _ in range(trials)]
+        for line in sys.stdin:
+            ask = json.loads(line)
+            total = int(ask["bytes"])
+            shares = [total // streams + (1 if i < total % streams else 0) for i in range(streams)]
+            print(json.dumps({"seconds": _trial(conns, shares, ask["op"])}), flush=True)
     finally:
         for c in conns:
             c.close()
@@ -129,17 +136,63 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--host", required=True)
     c.add_argument("--port", type=int, required=True)
     c.add_argument("--streams", type=int, default=4)
-    c.add_argument("--bytes", type=int, required=True)
-    c.add_argument("--op", choices=("write", "read"), default="write")
-    c.add_argument("--trials", type=int, default=1)
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         serve(args.host, args.port)
-        return 0
-    seconds = run_client(args.host, args.port, args.streams, args.bytes, args.op, args.trials)
-    print(json.dumps({"seconds": seconds}), flush=True)
+    else:
+        run_client(args.host, args.port, args.streams)
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class PlainStreams:
+    """The limit over a link: a server in the target's namespace and a client in the initiator's,
+    both for a whole bench run; ``measure`` asks the client for one trial."""
+
+    def __init__(self, target_prefix: list[str], initiator_prefix: list[str], target_addr: str,
+                 streams: int = 4) -> None:
+        self._server = subprocess.Popen(
+            target_prefix + [sys.executable, "-m", __name__, "serve", "--host", target_addr],
+            stdout=subprocess.PIPE, text=True)
+        self._client: subprocess.Popen | None = None
+        try:
+            port = int(self._first_line(self._server, "port"))
+            self._client = subprocess.Popen(
+                initiator_prefix + [sys.executable, "-m", __name__, "client", "--host", target_addr, "--port",
+                                    str(port), "--streams", str(streams)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self._first_line(self._client, "connected")
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _first_line(proc: subprocess.Popen, key: str) -> float:
+        line = proc.stdout.readline() if proc.stdout else ""
+        try:
+            return float(json.loads(line)[key])
+        except (ValueError, KeyError, TypeError):
+            raise RuntimeError(f"plain streams: expected {key!r} from a side of the limit, got {line!r}") from None
+
+    def measure(self, op: str, total: int) -> float:
+        """GB/s of one trial moving ``total`` bytes in the direction of ``op``."""
+        if self._client is None or self._client.stdin is None:
+            raise RuntimeError("plain streams: the client is gone")
+        self._client.stdin.write(json.dumps({"op": op, "bytes": total}) + "\n")
+        self._client.stdin.flush()
+        seconds = self._first_line(self._client, "seconds")
+        return total / seconds / 1e9 if seconds > 0 else 0.0
+
+    def close(self) -> None:
+        for proc in (self._client, self._server):
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe:
+                    pipe.close()

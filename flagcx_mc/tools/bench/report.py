@@ -110,6 +110,7 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
                 f"{r['cpu_s_per_gib'] if r['cpu_s_per_gib'] is not None else float('nan'):>9.3f}")
         line += "".join(f" {_fmt_ratio(r['ratios'].get(c)):>14}" for c in columns)
         print(line + ("  yes" if r["verified"] else f"  NO ({r['error']})"), file=out)
+    _print_link_counters(result, out)
     if baselines:
         print(f"\n{'physical limit':<14} {'beside':<6} {'block':>7} {'count':>5} {'GB/s':>7}", file=out)
         for b in baselines:
@@ -127,7 +128,11 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
     for name, reason in result["baselines_missing"].items():
         print(f"baseline {name}: not available ({reason})", file=out)
     host, options = result.get("host", {}), result.get("options", {})
-    if options.get("streams"):
+    link = options.get("link")
+    if link:
+        print(f"over a shaped link ({link['text']}) between two network namespaces; plain streams: "
+              f"{link['plain_streams']} TCP connections with the kernel's defaults", file=out)
+    elif options.get("streams"):
         print(f"TCP: {options['streams']} streams per peer (the raw socket too); congestion control within "
               f"this host {host.get('local_congestion_control')}, host default {host.get('tcp_congestion_control')} "
               f"(Mooncake's)", file=out)
@@ -138,6 +143,21 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
     bad = [r for r in rows if not r["verified"]] + [x for x in result["latency"] if not x["verified"]]
     print("all transfers verified by sha256" if not bad and not result["errors"]
           else f"{len(bad)} measurement(s) NOT verified, {len(result['errors'])} error(s)", file=out)
+
+
+def _print_link_counters(result: dict, out: IO[str]) -> None:
+    """Over a link: the TCP events behind each row's figure, per call of its fastest trial."""
+    rows = [r for r in result["rows"] if r.get("link_per_call")]
+    if not rows:
+        return
+    print("\nTCP events per call (both namespaces; the fastest trial, its warm-up call included)", file=out)
+    print(f"{'transport':<14} {'op':<5} {'block':>7} {'count':>5} {'RTOs':>6} {'loss probes':>11} "
+          f"{'retransmits':>11} {'fast retr.':>10} {'DSACKs':>7}", file=out)
+    for r in rows:
+        c = r["link_per_call"]
+        print(f"{r['transport']:<14} {r['op']:<5} {fmt_size(r['block']):>7} {r['count']:>5} {c.get('rto', 0):>6.2f} "
+              f"{c.get('loss_probes', 0):>11.1f} {c.get('retrans_segs', 0):>11.0f} {c.get('fast_retrans', 0):>10.0f} "
+              f"{c.get('dsack_recv', 0):>7.0f}", file=out)
 
 
 def print_targets(targets: list[dict], out: IO[str] | None = None) -> None:

@@ -36,7 +36,9 @@ from ..._process import EngineProcessError
 from ..._units import fmt_size
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from . import limits as bl
+from . import link as shaped
 from .layouts import cache_bytes
+from .plain_streams import PlainStreams
 from .report import add_ratios, draw_png, print_report, verdict, write_json
 from .targets import TargetSet, evaluate_targets
 from .worker import WorkerProcess
@@ -115,6 +117,8 @@ class BenchOptions:
     quick: bool = False
     targets: TargetSet | None = None  # checked against the result (targets.load_targets)
     targets_path: str | None = None   # where they came from, for the JSON
+    link: shaped.LinkSpec | None = None  # run the TCP rows across two namespaces over this link
+    plain_streams: int = 4              # connections of the plain streams limit over a link
 
     @classmethod
     def quick_options(cls, **overrides) -> BenchOptions:
@@ -122,6 +126,39 @@ class BenchOptions:
                         "latency_n": 1000, "quick": True}
         values.update(overrides)
         return cls(**values)
+
+
+# Over a shaped link: the TCP rows only, 64 KiB and 1 MiB blocks in 64 MiB calls by default, held
+# against plain TCP streams on the same link.
+LINK_TRANSPORTS = ("tcp", "mooncake-tcp")
+LINK_BLOCKS = [64 * KiB, 1 * MiB]
+LINK_BATCHES = [1024]
+
+
+def link_options(spec: shaped.LinkSpec, **overrides) -> BenchOptions:
+    """Options of a run over a shaped link (``flagcx-mc bench --link SPEC``)."""
+    values: dict = {"blocks": list(LINK_BLOCKS), "batches": list(LINK_BATCHES), "trials": 3, "latency_n": 0,
+                    "target_bytes": 128 * MiB, "transports": list(LINK_TRANSPORTS), "link": spec}
+    values.update(overrides)
+    return BenchOptions(**values)
+
+
+class _Net:
+    """A run's shaped link: both namespaces, the plain streams limit's server, the counters."""
+
+    def __init__(self, spec: shaped.LinkSpec, plain_streams: int) -> None:
+        self.link = shaped.ShapedLink()
+        try:
+            self.link.shape(spec)
+            initiator_prefix, target_prefix = self.link.prefixes
+            self.plain = PlainStreams(target_prefix, initiator_prefix, self.link.target_addr, plain_streams)
+        except BaseException:
+            self.link.close()
+            raise
+
+    def close(self) -> None:
+        self.plain.close()
+        self.link.close()
 
 
 def shapes_of(opts: BenchOptions) -> list[tuple[int, int]]:
@@ -234,16 +271,23 @@ def _stderr_to(log: IO[str] | None):
         os.close(saved)
 
 
-def _start(t: Transport, opts: BenchOptions, log: IO[str] | None):
-    """Target and initiator processes of one transport, each with one region for its largest shape."""
+def _start(t: Transport, opts: BenchOptions, log: IO[str] | None, net: _Net | None = None):
+    """Target and initiator processes of one transport, each with one region for its largest shape
+    (over a link: each in its namespace, bound to its address)."""
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
     config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
     size = max(cache_bytes(t.layout, b, n) for b, n in shapes_for(t, opts))
+    where: tuple[dict, dict] = ({}, {})
+    if net is not None:
+        initiator_prefix, target_prefix = net.link.prefixes
+        where = ({"host": net.link.target_addr, "argv_prefix": target_prefix},
+                 {"host": net.link.initiator_addr, "argv_prefix": initiator_prefix})
     with _stderr_to(log):
         target = WorkerProcess(engine=t.engine, size=size, memory=t.target_memory or t.memory, config=config,
-                               env=env)
+                               env=env, **where[0])
         try:
-            initiator = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env)
+            initiator = WorkerProcess(engine=t.engine, size=size, memory=t.memory, config=config, env=env,
+                                      **where[1])
         except BaseException:
             target.close()
             raise
@@ -293,10 +337,12 @@ def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs
     elif not target.call("guards")["intact"]:
         error = "bytes written outside the target range"
     trial_gbps = [span * x["reps"] / x["seconds"] / 1e9 if x["seconds"] > 0 else 0.0 for x in trials]
-    best = trials[trial_gbps.index(max(trial_gbps))] if trial_gbps else {"reps": 0, "seconds": 0.0,
-                                                                         "cpu_seconds": 0.0}
+    best: dict = trials[trial_gbps.index(max(trial_gbps))] if trial_gbps else {"reps": 0, "seconds": 0.0,
+                                                                               "cpu_seconds": 0.0}
     moved = span * best["reps"]
-    return {
+    counters = best.get("link_counters")
+    link = {} if counters is None else {"link_per_call": {k: v / best["calls"] for k, v in counters.items()}}
+    return link | {
         "transport": t.name, "engine": t.engine, "memory": t.memory, "op": op, "block": block, "count": count,
         "layout": t.layout, "callers": t.callers, "target_memory": t.target_memory or t.memory,
         "reps": best["reps"], "bytes": moved, "seconds": best["seconds"],
@@ -321,7 +367,7 @@ def _measure_latency(t: Transport, n: int, target, initiator) -> dict:
 
 
 def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[str], progress: _Progress,
-             result: dict, log: IO[str] | None) -> None:
+             result: dict, log: IO[str] | None, net: _Net | None = None) -> None:
     """Start every transport's processes, then measure shape by shape (``_measure_shape``: the
     physical limits and the transports trial by trial in turn), then the latency test.
 
@@ -346,14 +392,14 @@ def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[
     try:
         for t in running:
             try:
-                procs[t.name] = _start(t, opts, log)
+                procs[t.name] = _start(t, opts, log, net)
             except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
         for op in opts.ops:
             for block, count in shapes:
                 _measure_shape(op, block, count, [t for t in running if t.name in procs and
                                                   (block, count) in shapes_for(t, opts)],
-                               procs, limits, opts, progress, result, stop)
+                               procs, limits, opts, progress, result, stop, net)
         for t in running:
             if t.name not in procs or opts.latency_n <= 0:  # --latency-n 0: no latency test
                 continue
@@ -411,8 +457,9 @@ class _Attempt:
 
 
 def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs: dict[str, tuple],
-                  limits: list[str], opts: BenchOptions, result: dict, stop) -> _Attempt:
-    """Round k measures each limit once, then runs each transport's k-th timed loop."""
+                  limits: list[str], opts: BenchOptions, result: dict, stop, net: _Net | None = None) -> _Attempt:
+    """Round k measures each limit once, then runs each transport's k-th timed loop.  Over a link,
+    each trial also carries the namespaces' TCP counters of its calls (warm-up included)."""
     span = block * count
     reps = reps_of(opts, span)
     limit_bytes = _limit_bytes(span, reps)
@@ -422,7 +469,12 @@ def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs:
     for _ in range(opts.trials):
         for name in [n for n in limit_gbps if not bl.derived_from(n)]:
             try:
-                limit_gbps[name].append(bl.measure(name, block, span, limit_bytes, streams=opts.streams))
+                if name in bl.LINK_BASELINES:
+                    if net is None:
+                        raise bl.BaselineUnavailable("measured over a shaped link only (--link)")
+                    limit_gbps[name].append(net.plain.measure(op, limit_bytes))
+                else:
+                    limit_gbps[name].append(bl.measure(name, block, span, limit_bytes, streams=opts.streams))
             except bl.BaselineUnavailable as exc:
                 result["baselines_missing"][name] = str(exc)
                 del limit_gbps[name]
@@ -430,7 +482,12 @@ def _trial_rounds(op: str, block: int, count: int, live: list[Transport], procs:
             if t.name not in procs or (runs[t.name] and runs[t.name][-1]["rc"] != 0):
                 continue
             try:
-                runs[t.name].append(_run_trial(t, op, block, count, reps, *procs[t.name]))
+                before = net.link.counters() if net is not None else None
+                run = _run_trial(t, op, block, count, reps, *procs[t.name])
+                if net is not None and before is not None and run["trials"]:
+                    after = net.link.counters()
+                    run["trials"][0].update(link_counters={k: after[k] - before[k] for k in after}, calls=reps + 1)
+                runs[t.name].append(run)
             except (EngineProcessError, OSError) as exc:
                 stop(t, exc)
     for name, parts in ((n, bl.derived_from(n)) for n in list(limit_gbps)):
@@ -449,7 +506,8 @@ def _limit_bytes(span: int, reps: int) -> int:
 
 
 def _measure_shape(op: str, block: int, count: int, live: list[Transport], procs: dict[str, tuple],
-                   limits: list[str], opts: BenchOptions, progress: _Progress, result: dict, stop) -> None:
+                   limits: list[str], opts: BenchOptions, progress: _Progress, result: dict, stop,
+                   net: _Net | None = None) -> None:
     """Every limit and every transport at one shape and op, trial by trial in turn (``_trial_rounds``).
     Load that comes and goes on a shared machine then falls on both sides of every ratio alike;
     each side reports its best.  Hypervisor steal does not fall alike (a batch-synchronous engine
@@ -468,7 +526,7 @@ def _measure_shape(op: str, block: int, count: int, live: list[Transport], procs
     live = [t for t in live if t.name in expects]
     attempts: list[_Attempt] = []
     for attempt in range(1 + max(0, opts.steal_retries)):
-        attempts.append(_trial_rounds(op, block, count, live, procs, limits, opts, result, stop))
+        attempts.append(_trial_rounds(op, block, count, live, procs, limits, opts, result, stop, net))
         share = attempts[-1].steal
         if attempts[-1].failed() or share is None or share < opts.steal_retry_at or attempt == opts.steal_retries:
             break
@@ -486,7 +544,8 @@ def _measure_shape(op: str, block: int, count: int, live: list[Transport], procs
                                     "bytes": _limit_bytes(span, reps), "gbps": gbps,
                                     "trials_gbps": limit_gbps[name], "steal": steal_share,
                                     "steal_attempts": steal_attempts,
-                                    "streams": opts.streams if name in ("raw socket", "socket calls") else None})
+                                    "streams": opts.plain_streams if name in bl.LINK_BASELINES else
+                                    opts.streams if name in ("raw socket", "socket calls") else None})
         progress.step(f"baseline {name:<10} {fmt_size(block):>7} x{count:<5} {gbps:7.2f} GB/s  (beside {op})")
     for t in live:
         if t.name not in procs:
@@ -537,6 +596,11 @@ def run_bench(opts: BenchOptions) -> int:
         print(f"unknown transport(s): {', '.join(sorted(unknown))}; known: {', '.join(t.name for t in TRANSPORTS)}",
               file=sys.stderr)
         return 2
+    if opts.link is not None:
+        why = shaped.unavailable()
+        if why:
+            print(f"flagcx-mc bench --link: {why}", file=sys.stderr)
+            return 2
     result: dict = {"schema": SCHEMA,
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": _host_info(), "errors": [],
@@ -546,16 +610,22 @@ def run_bench(opts: BenchOptions) -> int:
                           "trials": opts.trials, "steal_retries": opts.steal_retries,
                           "steal_retry_at": opts.steal_retry_at,
                           "latency_n": opts.latency_n, "quick": opts.quick, "mooncake": opts.mooncake,
-                          "targets": opts.targets_path}}
+                          "targets": opts.targets_path,
+                          "link": None if opts.link is None else {"rate": opts.link.rate, "loss": opts.link.loss,
+                                                                  "kind": opts.link.kind, "text": str(opts.link),
+                                                                  "plain_streams": opts.plain_streams}}}
     transports = {}
     for t in chosen:
         ok, reason = availability(t, opts)
+        if ok and opts.link is not None and t.name not in LINK_TRANSPORTS:
+            ok, reason = False, f"over a shaped link only {', '.join(LINK_TRANSPORTS)} run"
         transports[t.name] = {"available": ok, "reason": reason, "summary": t.summary, "limit": t.limit}
         if not ok:
             print(f"{t.name}: {reason}", file=sys.stderr)
     running = [t for t in chosen if transports[t.name]["available"]]
     shapes = sorted({shape for t in running for shape in shapes_for(t, opts)})
-    wanted = {t.limit for t in running} | {extra for t in running for extra in bl.also_against(t.limit)}
+    limit_of = {t.name: "plain streams" if opts.link is not None else t.limit for t in TRANSPORTS}
+    wanted = {limit_of[t.name] for t in running} | {x for t in running for x in bl.also_against(limit_of[t.name])}
     limits = [b for b in bl.BASELINES if b != "mooncake" and b in wanted]
     progress = _Progress(len(opts.ops) * (len(limits) * len(shapes) + sum(len(shapes_for(t, opts)) for t in running))
                          + len(running))
@@ -563,12 +633,18 @@ def run_bench(opts: BenchOptions) -> int:
     with contextlib.ExitStack() as stack:
         log = None if opts.verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
         steal = StealClock()
-        _run_all(running, opts, shapes, limits, progress, result, log)
+        net = None
+        if opts.link is not None and running:
+            net = _Net(opts.link, opts.plain_streams)
+            stack.callback(net.close)
+            progress.note(f"shaped link {opts.link}: initiator {net.link.initiator_addr} ({net.link.initiator_ns}), "
+                          f"target {net.link.target_addr} ({net.link.target_ns})")
+        _run_all(running, opts, shapes, limits, progress, result, log, net)
         result["host"]["steal_share"] = steal.share()
     rows, latencies, baselines = result["rows"], result["latency"], result["baselines"]
     order = {t.name: i for i, t in enumerate(TRANSPORTS)}
     rows.sort(key=lambda r: (order[r["transport"]], opts.ops.index(r["op"]), r["block"], r["count"]))
-    add_ratios(rows, baselines, {t.name: t.limit for t in TRANSPORTS})
+    add_ratios(rows, baselines, limit_of)
     result["targets"] = evaluate_targets(opts.targets, result) if opts.targets else []
     result["verified"] = all(r["verified"] for r in rows) and all(x["verified"] for x in latencies)
     print_report(result)

@@ -5,7 +5,9 @@ bare JSON list works too) of ``{"name", "metric", "threshold", "better"}``, ``be
 ``"higher"`` or ``"lower"``, and optionally ``note_steal_from``: the hypervisor steal share from
 which a target's line names the steal seen during its worst shape.  A target may also have
 ``min_block`` and ``max_block`` (bytes): it is then judged on the rows of blocks in that range
-only (e.g. a stricter threshold from 1 MiB up).  A metric is a worst case over measured rows,
+only (e.g. a stricter threshold from 1 MiB up); and ``link`` (``clean``, ``shaped`` or ``lossy``):
+it then judges only runs over such a link (``flagcx-mc bench --link``), which no other target
+judges.  A metric is a worst case over measured rows,
 written ``kind:transport:against``:
 
 - ``throughput_ratio:T:B`` -- GB/s of transport ``T`` over baseline ``B`` (a physical limit of
@@ -36,6 +38,7 @@ from .report import throughput_rows
 __all__ = ["METRIC_KINDS", "Target", "TargetSet", "TargetsError", "evaluate_targets", "load_targets"]
 
 METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio", "calls_ratio")
+LINK_KINDS = ("clean", "shaped", "lossy")  # link.LinkSpec.kind
 
 
 class TargetsError(ValueError):
@@ -50,6 +53,13 @@ class Target:
     better: str  # "higher" or "lower"
     min_block: int | None = None  # judged on rows of blocks in [min_block, max_block] only
     max_block: int | None = None
+    link: str | None = None  # judged on runs over a link of this kind only (LINK_KINDS); None: loopback runs
+
+    def takes_run(self, result: dict) -> bool:
+        """Whether this target judges ``result``: a link target a run over a link of its kind, any
+        other a run without a link."""
+        link = (result.get("options") or {}).get("link")
+        return (link or {}).get("kind") == self.link if self.link else not link
 
     def takes_block(self, block: int) -> bool:
         return (self.min_block is None or block >= self.min_block) and (self.max_block is None or
@@ -97,6 +107,8 @@ def _check(target: Target, transports: tuple[str, ...]) -> None:
         raise TargetsError(f"{target.name!r}: min_block {target.min_block} is above max_block {target.max_block}")
     if (target.min_block is not None or target.max_block is not None) and kind == "p50_latency_ratio":
         raise TargetsError(f"{target.name!r}: a latency target has one size; min_block and max_block do not apply")
+    if target.link is not None and target.link not in LINK_KINDS:
+        raise TargetsError(f"{target.name!r}: link must be one of {', '.join(LINK_KINDS)}, not {target.link!r}")
     if target.better not in ("higher", "lower"):
         raise TargetsError(f"{target.name!r}: better must be 'higher' or 'lower', not {target.better!r}")
 
@@ -126,7 +138,7 @@ def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
         try:
             target = Target(name=str(item["name"]), metric=str(item["metric"]), threshold=float(item["threshold"]),
                             better=str(item["better"]), min_block=item.get("min_block"),
-                            max_block=item.get("max_block"))
+                            max_block=item.get("max_block"), link=item.get("link"))
         except (TypeError, KeyError, ValueError) as exc:
             raise TargetsError(f"{path}: a target needs name, metric, threshold (a number) and better: {item!r} "
                                f"({type(exc).__name__}: {exc})") from None
@@ -188,9 +200,12 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
 def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
     """Each target against a bench result (rows with their ratios, latencies, transports):
     ``{"name", "metric", "status" (PASS, MISS or N/A), "measured" (the worst value), "threshold",
-    "better", "detail", "measured_median", "steal"}``."""
+    "better", "detail", "measured_median", "steal"}``.  Targets that do not judge this run
+    (``Target.takes_run``: another kind of link, or loopback) are left out."""
     out = []
     for t in targets.targets:
+        if not t.takes_run(result):
+            continue  # a loopback target in a run over a link, or one for another kind of link
         values, why = _values(t, result)
         entry: dict[str, Any] = {"name": t.name, "metric": t.metric, "threshold": t.threshold, "better": t.better,
                                  "measured_median": None, "steal": None}
