@@ -133,8 +133,10 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     assert {x["transport"] for x in data["latency"]} == ran
     for x in data["latency"]:
         assert x["verified"] and x["n"] == 1000 and 0 < x["p50_us"] <= x["p99_us"]
-    # One line per target, each PASS, MISS or N/A; N/A exactly where its transport did not run.
-    assert len(data["targets"]) == len(json.loads(PROJECT_TARGETS.read_text())["targets"])
+    # One line per loopback target (a link's targets judge runs over a link only), each PASS, MISS
+    # or N/A; N/A exactly where its transport did not run.
+    loopback = [t for t in json.loads(PROJECT_TARGETS.read_text())["targets"] if "link" not in t]
+    assert len(data["targets"]) == len(loopback)
     for t in data["targets"]:
         assert t["status"] in ("PASS", "MISS", "N/A")
         assert f"{t['status']:<4} {t['name']}" in proc.stdout
@@ -545,11 +547,40 @@ def test_targets_files_may_be_toml(tmp_path):
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
     kinds = [t.metric.split(":")[0] for t in loaded.targets]
-    assert kinds.count("calls_ratio") == 10 and len(kinds) == 24 and loaded.note_steal_from == 0.05
+    assert kinds.count("calls_ratio") == 10 and len(kinds) == 28 and loaded.note_steal_from == 0.05
+    links = [(t.link, t.metric.split(":")[2], t.threshold) for t in loaded.targets if t.link]
+    assert sorted(links) == [("clean", "mooncake", 1.5), ("lossy", "mooncake", 1.2), ("lossy", "plain streams", 0.8),
+                             ("shaped", "plain streams", 0.9)]
     gpu_tcp = [t for t in loaded.targets if t.metric.endswith(":gpu tcp limit")]
     assert len(gpu_tcp) == 5 and all(t.better == "higher" for t in gpu_tcp)
     assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.8, None)) == 4
     assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.9, 1 << 20)) == 1
+
+
+def test_link_targets_judge_runs_over_their_kind_of_link_only(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([
+        {"name": "loopback", "metric": "throughput_ratio:tcp:mooncake", "threshold": 2.0, "better": "higher"},
+        {"name": "lossy", "metric": "throughput_ratio:tcp:plain streams", "threshold": 0.8, "better": "higher",
+         "link": "lossy"},
+        {"name": "shaped", "metric": "throughput_ratio:tcp:plain streams", "threshold": 0.9, "better": "higher",
+         "link": "shaped"}]))
+    targets = tg.load_targets(str(path), TRANSPORT_NAMES)
+    rows = [{"transport": "tcp", "op": "write", "block": 1 << 20, "count": 64, "verified": True,
+             "ratios": {"plain streams": 0.85, "mooncake": 1.9}}]
+
+    def judged(link: dict | None) -> dict:
+        result = {"rows": rows, "transports": {}, "baselines_missing": {}, "options": {"link": link}}
+        return {t["name"]: t["status"] for t in tg.evaluate_targets(targets, result)}
+
+    assert judged(None) == {"loopback": "MISS"}
+    assert judged({"kind": "lossy"}) == {"lossy": "PASS"}
+    assert judged({"kind": "shaped"}) == {"shaped": "MISS"}
+    assert judged({"kind": "clean"}) == {}
+    path.write_text(json.dumps([{"name": "x", "metric": "throughput_ratio:tcp:plain streams", "threshold": 1,
+                                 "better": "higher", "link": "wet"}]))
+    with pytest.raises(tg.TargetsError, match="link must be one of"):
+        tg.load_targets(str(path), TRANSPORT_NAMES)
 
 
 def test_a_target_with_a_block_range_is_judged_on_those_rows_only(tmp_path):

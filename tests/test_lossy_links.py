@@ -186,3 +186,54 @@ def test_counter_files_parse():
     found = shaped._parse_counter_file(text)
     assert found[("TcpExt", "TCPTimeouts")] == 3 and found[("Tcp", "RetransSegs")] == 42
 
+
+
+# --- flagcx-mc bench --link ------------------------------------------------------------------
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "flagcx_mc.tools.cli", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bench_over_a_lossy_link_verifies_rows_beside_plain_streams_with_counters(tmp_path):
+    import json
+
+    why = shaped.unavailable()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "link.json"
+    proc = _bench("--link", "10gbit,loss=1%", "--transports", "tcp,same-host", "--blocks", "64k", "--batch", "64",
+                  "--trials", "1", "--no-mooncake",
+                  "--json", str(out), "--png", "", "--targets", "docs/bench/targets.json")
+    data = json.loads(out.read_text())
+    assert data["options"]["link"] == {"rate": "10gbit", "loss": 0.01, "kind": "lossy", "text": "10gbit + loss 1%",
+                                       "plain_streams": 4}, proc.stderr
+    rows = data["rows"]
+    assert {(r["transport"], r["op"]) for r in rows} == {("tcp", "write"), ("tcp", "read")}
+    for r in rows:
+        assert r["verified"], r
+        assert r["ratios"]["plain streams"] > 0
+        assert set(r["link_per_call"]) == set(shaped.COUNTERS)
+    assert sum(r["link_per_call"]["retrans_segs"] for r in rows) > 0  # the link did lose packets
+    assert {b["name"] for b in data["baselines"]} == {"plain streams"}
+    assert data["transports"]["same-host"] == {**data["transports"]["same-host"], "available": False,
+                                               "reason": "over a shaped link only tcp, mooncake-tcp run"}
+    assert "TCP events per call" in proc.stdout and "over a shaped link (10gbit + loss 1%)" in proc.stdout
+    # Only the lossy link's targets judge this run; Mooncake's is N/A (not run).
+    names = {t["name"]: t["status"] for t in data["targets"]}
+    assert set(names) == {"over a lossy link: native TCP >= 0.8x four plain TCP streams",
+                          "over a lossy link: native TCP >= 1.2x Mooncake"}, names
+    assert names["over a lossy link: native TCP >= 1.2x Mooncake"] == "N/A"
+
+
+def test_bench_link_refuses_a_bad_spec_and_explains_a_missing_privilege(monkeypatch, capsys):
+    from flagcx_mc.tools.bench import runner
+
+    proc = _bench("--link", "fast")
+    assert proc.returncode == 2 and "--link:" in proc.stderr and "not 'fast'" in proc.stderr
+    monkeypatch.setattr(shaped, "unavailable", lambda: "a shaped link needs root (network namespaces, tc and nftables)")
+    assert runner.run_bench(runner.link_options(shaped.LinkSpec("10gbit"), json_path=None, png_path=None)) == 2
+    assert "flagcx-mc bench --link: a shaped link needs root" in capsys.readouterr().err
