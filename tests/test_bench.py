@@ -557,6 +557,28 @@ def test_the_projects_targets_file_loads():
     assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.9, 1 << 20)) == 1
 
 
+def test_compare_build_runs_another_trees_engines_beside(tmp_path):
+    """--compare-build: tcp-build's engines come from another tree, in the same run as tcp's."""
+    import flagcx_mc
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "flagcx_mc").symlink_to(Path(flagcx_mc.__file__).parent)  # an installed, built tree
+    proc, data = _bench(tmp_path, "--blocks", "64k", "--batch", "8", "--repeat", "1", "--trials", "1",
+                        "--latency-n", "0", "--ops", "write", "--transports", "tcp,tcp-build", "--compare-build",
+                        str(other))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert data["options"]["compare_build"] == str(other)
+    rows = {r["transport"]: r for r in data["rows"]}
+    assert set(rows) == {"tcp", "tcp-build"} and all(r["verified"] for r in rows.values())
+    unbuilt = tmp_path / "unbuilt"
+    (unbuilt / "flagcx_mc" / "tools" / "bench").mkdir(parents=True)
+    (unbuilt / "flagcx_mc" / "tools" / "bench" / "worker.py").write_text("")
+    assert "build_ext --inplace" in bench.compared_build_problem(str(unbuilt))
+    assert "no flagcx_mc source tree" in bench.compared_build_problem(str(tmp_path))
+    assert "needs --compare-build" in bench.compared_build_problem(None)
+
+
 def test_link_targets_judge_runs_over_their_kind_of_link_only(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps([

@@ -73,6 +73,10 @@ def _add_bench_parser(sub) -> None:
                             "held against plain TCP streams on the same link, with TCP counters per call: 'clean', "
                             "a rate such as 10gbit, loss=N%%, or both (10gbit,loss=0.1%%); needs root, tc, nft and "
                             "ethtool. Defaults then: 64 KiB and 1 MiB blocks in 64 MiB calls, 3 trials")
+    bench.add_argument("--compare-build", metavar="PATH",
+                       help="also run the tcp rows with the engines of another flagcx_mc source tree built in place "
+                            "(python setup.py build_ext --inplace there), as transport tcp-build: a change measured "
+                            "against what it changed, in the same run")
     bench.add_argument("--plain-streams", type=int, metavar="N",
                        help="connections of the plain streams limit over a link (default 4)")
     bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
@@ -80,7 +84,7 @@ def _add_bench_parser(sub) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
     from .bench.link import parse_link
-    from .bench.runner import TRANSPORTS, BenchOptions, link_options, run_bench
+    from .bench.runner import COMPARED_BUILD, TRANSPORTS, BenchOptions, link_options, run_bench
     from .bench.targets import TargetsError, load_targets
 
     targets = None
@@ -104,7 +108,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"--ops takes write and/or read, not {','.join(sorted(bad_ops)) or 'nothing'}", file=sys.stderr)
         return 2
     overrides.update(ops=args.ops, mooncake=not args.no_mooncake, targets=targets, targets_path=args.targets,
-                     json_path=args.json or None, png_path=args.png or None, verbose=args.verbose)
+                     json_path=args.json or None, png_path=args.png or None, verbose=args.verbose,
+                     compare_build=args.compare_build)
     if args.link is not None:
         try:
             spec = parse_link(args.link)
@@ -116,8 +121,11 @@ def _run_bench(args: argparse.Namespace) -> int:
                 print("--plain-streams takes 1 to 64", file=sys.stderr)
                 return 2
             overrides["plain_streams"] = args.plain_streams
-        return run_bench(link_options(spec, **overrides))
-    opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
+        opts = link_options(spec, **overrides)
+    else:
+        opts = BenchOptions.quick_options(**overrides) if args.quick else BenchOptions(**overrides)
+    if args.compare_build and args.transports is None:
+        opts.transports.append(COMPARED_BUILD)
     return run_bench(opts)
 
 

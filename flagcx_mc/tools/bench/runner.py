@@ -86,6 +86,8 @@ TRANSPORTS: tuple[Transport, ...] = (
     Transport("gpu-host-tcp-paged", "flagcx_mc", "cuda", "tcp", "gpu tcp limit",
               "GPU to host memory (write) and host to GPU (read) over native TCP, paged KV cache",
               layout="paged", target_memory="host"),
+    Transport("tcp-build", "flagcx_mc", "host", "tcp", "raw socket",
+              "native TCP, host memory, from another build of flagcx_mc (--compare-build)"),
     Transport("mooncake-tcp", "mooncake", "host", "", "raw socket", "Mooncake TCP transport (PyPI wheel)"),
     Transport("mooncake-gpu-tcp", "mooncake", "cuda", "", "gpu tcp limit",
               "Mooncake TCP transport, GPU memory (its CUDA wheel)"),
@@ -101,7 +103,8 @@ class BenchOptions:
     paged_blocks: list[int] = dataclasses.field(default_factory=lambda: list(PAGED_BLOCKS))
     paged_count: int = PAGED_COUNT
     ops: list[str] = dataclasses.field(default_factory=lambda: ["write", "read"])
-    transports: list[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS])
+    transports: list[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS
+                                                                       if t.name != COMPARED_BUILD])
     streams: int = dataclasses.field(default_factory=lambda: EngineConfig.from_env().streams_per_peer)
     repeat: int | None = None        # timed batches per trial; None: enough for target_bytes
     target_bytes: int = 256 * MiB       # bytes per trial when repeat is None
@@ -117,6 +120,7 @@ class BenchOptions:
     quick: bool = False
     targets: TargetSet | None = None  # checked against the result (targets.load_targets)
     targets_path: str | None = None   # where they came from, for the JSON
+    compare_build: str | None = None    # a source tree of flagcx_mc built in place: its tcp rows run beside (tcp-build)
     link: shaped.LinkSpec | None = None  # run the TCP rows across two namespaces over this link
     plain_streams: int = 4              # connections of the plain streams limit over a link
 
@@ -128,9 +132,14 @@ class BenchOptions:
         return cls(**values)
 
 
-# Over a shaped link: the TCP rows only, 64 KiB and 1 MiB blocks in 64 MiB calls by default, held
-# against plain TCP streams on the same link.
-LINK_TRANSPORTS = ("tcp", "mooncake-tcp")
+# The transport whose engines come from another build (``--compare-build PATH``): the same
+# workload in the same run, so a change is measured against what it changed.
+COMPARED_BUILD = "tcp-build"
+
+# Over a shaped link: the TCP rows only, 64 KiB and 1 MiB blocks in 64 MiB calls by default (512
+# MiB a trial, so that a trial's figure takes in the stalls a lossy link brings, not one lucky
+# call), held against plain TCP streams on the same link.
+LINK_TRANSPORTS = ("tcp", COMPARED_BUILD, "mooncake-tcp")
 LINK_BLOCKS = [64 * KiB, 1 * MiB]
 LINK_BATCHES = [1024]
 
@@ -138,7 +147,8 @@ LINK_BATCHES = [1024]
 def link_options(spec: shaped.LinkSpec, **overrides) -> BenchOptions:
     """Options of a run over a shaped link (``flagcx-mc bench --link SPEC``)."""
     values: dict = {"blocks": list(LINK_BLOCKS), "batches": list(LINK_BATCHES), "trials": 3, "latency_n": 0,
-                    "target_bytes": 128 * MiB, "transports": list(LINK_TRANSPORTS), "link": spec}
+                    "target_bytes": 512 * MiB, "transports": [t for t in LINK_TRANSPORTS if t != COMPARED_BUILD],
+                    "link": spec}
     values.update(overrides)
     return BenchOptions(**values)
 
@@ -207,8 +217,24 @@ def mooncake_has_cuda() -> bool:
     return False
 
 
+def compared_build_problem(path: str | None) -> str | None:
+    """Why ``path`` cannot serve ``tcp-build``'s engines, or None."""
+    if not path:
+        return "needs --compare-build PATH (a flagcx_mc source tree built in place)"
+    package = Path(path) / "flagcx_mc"
+    if not (package / "tools" / "bench" / "worker.py").is_file():
+        return f"{path} holds no flagcx_mc source tree with the bench's worker"
+    if not list(package.glob("_fmc_cffi*.so")):
+        return f"{path} is not built in place (cd {path} && python setup.py build_ext --inplace)"
+    return None
+
+
 def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
     """Whether this build and machine can run the transport, and why not."""
+    if t.name == COMPARED_BUILD:
+        problem = compared_build_problem(opts.compare_build)
+        if problem:
+            return False, f"not available ({problem})"
     if t.engine == "mooncake":
         if not opts.mooncake:
             return False, "skipped (--no-mooncake)"
@@ -277,11 +303,15 @@ def _start(t: Transport, opts: BenchOptions, log: IO[str] | None, net: _Net | No
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
     config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
     size = max(cache_bytes(t.layout, b, n) for b, n in shapes_for(t, opts))
-    where: tuple[dict, dict] = ({}, {})
+    initiator_prefix, target_prefix = net.link.prefixes if net is not None else ([], [])
+    if t.name == COMPARED_BUILD and opts.compare_build:
+        # Started in that tree with it first on the path, so `python -m` imports its flagcx_mc.
+        build = os.path.abspath(opts.compare_build)
+        env["PYTHONPATH"] = build
+        initiator_prefix, target_prefix = (p + ["env", "-C", build] for p in (initiator_prefix, target_prefix))
+    where: tuple[dict, dict] = ({"argv_prefix": target_prefix}, {"argv_prefix": initiator_prefix})
     if net is not None:
-        initiator_prefix, target_prefix = net.link.prefixes
-        where = ({"host": net.link.target_addr, "argv_prefix": target_prefix},
-                 {"host": net.link.initiator_addr, "argv_prefix": initiator_prefix})
+        where[0]["host"], where[1]["host"] = net.link.target_addr, net.link.initiator_addr
     with _stderr_to(log):
         target = WorkerProcess(engine=t.engine, size=size, memory=t.target_memory or t.memory, config=config,
                                env=env, **where[0])
@@ -610,7 +640,7 @@ def run_bench(opts: BenchOptions) -> int:
                           "trials": opts.trials, "steal_retries": opts.steal_retries,
                           "steal_retry_at": opts.steal_retry_at,
                           "latency_n": opts.latency_n, "quick": opts.quick, "mooncake": opts.mooncake,
-                          "targets": opts.targets_path,
+                          "targets": opts.targets_path, "compare_build": opts.compare_build,
                           "link": None if opts.link is None else {"rate": opts.link.rate, "loss": opts.link.loss,
                                                                   "kind": opts.link.kind, "text": str(opts.link),
                                                                   "plain_streams": opts.plain_streams}}}
