@@ -206,7 +206,7 @@ def test_bench_over_a_lossy_link_verifies_rows_beside_plain_streams_with_counter
         pytest.skip(why)
     out = tmp_path / "link.json"
     proc = _bench("--link", "10gbit,loss=1%", "--transports", "tcp,same-host", "--blocks", "64k", "--batch", "64",
-                  "--trials", "1", "--no-mooncake",
+                  "--trials", "1", "--no-mooncake", "--incast", "3", "--repeat", "2",
                   "--json", str(out), "--png", "", "--targets", "docs/bench/targets.json")
     data = json.loads(out.read_text())
     assert data["options"]["link"] == {"rate": "10gbit", "loss": 0.01, "kind": "lossy", "text": "10gbit + loss 1%",
@@ -220,7 +220,12 @@ def test_bench_over_a_lossy_link_verifies_rows_beside_plain_streams_with_counter
     assert sum(r["link_per_call"]["retrans_segs"] for r in rows) > 0  # the link did lose packets
     assert {b["name"] for b in data["baselines"]} == {"plain streams"}
     assert data["transports"]["same-host"] == {**data["transports"]["same-host"], "available": False,
-                                               "reason": "over a shaped link only tcp, mooncake-tcp run"}
+                                               "reason": "over a shaped link only tcp, tcp-build, mooncake-tcp run"}
+    # Incast: three initiators at once into one target, beside one of them alone, every range verified.
+    (incast,) = data["incast"]
+    assert incast["transport"] == "tcp" and incast["initiators"] == 3 and incast["verified"], incast
+    assert incast["gbps"] > 0 and incast["single_gbps"] > 0 and incast["vs_single"] > 0
+    assert "incast" in proc.stdout
     assert "TCP events per call" in proc.stdout and "over a shaped link (10gbit + loss 1%)" in proc.stdout
     # Only the lossy link's targets judge this run; Mooncake's is N/A (not run).
     names = {t["name"]: t["status"] for t in data["targets"]}

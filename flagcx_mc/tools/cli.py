@@ -77,6 +77,9 @@ def _add_bench_parser(sub) -> None:
                        help="also run the tcp rows with the engines of another flagcx_mc source tree built in place "
                             "(python setup.py build_ext --inplace there), as transport tcp-build: a change measured "
                             "against what it changed, in the same run")
+    bench.add_argument("--incast", type=int, metavar="N",
+                       help="over a link: also N initiators (engines in processes of their own) writing to one "
+                            "target at once, beside one of them alone, flagcx_mc's and Mooncake's")
     bench.add_argument("--plain-streams", type=int, metavar="N",
                        help="connections of the plain streams limit over a link (default 4)")
     bench.add_argument("-v", "--verbose", action="store_true", help="engine logs (Mooncake's too)")
@@ -116,6 +119,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"--link: {exc}", file=sys.stderr)
             return 2
+        if args.incast is not None:
+            if not 2 <= args.incast <= 64:
+                print("--incast takes 2 to 64 initiators", file=sys.stderr)
+                return 2
+            overrides["incast"] = args.incast
         if args.plain_streams is not None:
             if not 1 <= args.plain_streams <= 64:
                 print("--plain-streams takes 1 to 64", file=sys.stderr)

@@ -111,6 +111,7 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
         line += "".join(f" {_fmt_ratio(r['ratios'].get(c)):>14}" for c in columns)
         print(line + ("  yes" if r["verified"] else f"  NO ({r['error']})"), file=out)
     _print_link_counters(result, out)
+    _print_incast(result, out)
     if baselines:
         print(f"\n{'physical limit':<14} {'beside':<6} {'block':>7} {'count':>5} {'GB/s':>7}", file=out)
         for b in baselines:
@@ -141,6 +142,7 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
         print(steal_line, file=out)
     print_targets(result.get("targets", []), out)
     bad = [r for r in rows if not r["verified"]] + [x for x in result["latency"] if not x["verified"]]
+    bad += [x for x in result.get("incast", []) if not x["verified"]]
     print("all transfers verified by sha256" if not bad and not result["errors"]
           else f"{len(bad)} measurement(s) NOT verified, {len(result['errors'])} error(s)", file=out)
 
@@ -158,6 +160,21 @@ def _print_link_counters(result: dict, out: IO[str]) -> None:
         print(f"{r['transport']:<14} {r['op']:<5} {fmt_size(r['block']):>7} {r['count']:>5} {c.get('rto', 0):>6.2f} "
               f"{c.get('loss_probes', 0):>11.1f} {c.get('retrans_segs', 0):>11.0f} {c.get('fast_retrans', 0):>10.0f} "
               f"{c.get('dsack_recv', 0):>7.0f}", file=out)
+
+
+def _print_incast(result: dict, out: IO[str]) -> None:
+    """Over a link: N initiators writing to one target at once, beside one of them alone."""
+    rows = result.get("incast") or []
+    if not rows:
+        return
+    print(f"\n{'incast':<14} {'initiators':>10} {'block':>7} {'count':>5} {'GB/s':>7} {'one alone':>9} "
+          f"{'vs one':>7} {'RTOs/call':>9} {'retr./call':>10}  verified", file=out)
+    for r in rows:
+        c = r.get("link_per_call") or {}
+        ratio = "" if r.get("vs_single") is None else f"{r['vs_single']:.2f}x"
+        print(f"{r['transport']:<14} {r['initiators']:>10} {fmt_size(r['block']):>7} {r['count']:>5} {r['gbps']:>7.2f} "
+              f"{r['single_gbps']:>9.2f} {ratio:>7} {c.get('rto', 0):>9.2f} {c.get('retrans_segs', 0):>10.0f}  "
+              f"{'yes' if r['verified'] else 'NO (' + str(r['error']) + ')'}", file=out)
 
 
 def print_targets(targets: list[dict], out: IO[str] | None = None) -> None:

@@ -37,6 +37,7 @@ from ..._units import fmt_size
 from ...config import EngineConfig, host_congestion_control, local_congestion_control
 from . import limits as bl
 from . import link as shaped
+from .incast import measure_incast
 from .layouts import cache_bytes
 from .plain_streams import PlainStreams
 from .report import add_ratios, draw_png, print_report, verdict, write_json
@@ -123,6 +124,7 @@ class BenchOptions:
     compare_build: str | None = None    # a source tree of flagcx_mc built in place: its tcp rows run beside (tcp-build)
     link: shaped.LinkSpec | None = None  # run the TCP rows across two namespaces over this link
     plain_streams: int = 4              # connections of the plain streams limit over a link
+    incast: int = 0                     # over a link: this many initiators writing to one target at once
 
     @classmethod
     def quick_options(cls, **overrides) -> BenchOptions:
@@ -169,6 +171,29 @@ class _Net:
     def close(self) -> None:
         self.plain.close()
         self.link.close()
+
+
+def _run_incast(running: list[Transport], opts: BenchOptions, net: _Net, progress: _Progress,
+                log: IO[str] | None) -> list[dict]:
+    """``opts.incast`` initiators of each engine that ran (flagcx_mc's tcp, Mooncake's) writing at
+    once to one target over the link, in calls of the sweep's largest block (``incast.py``)."""
+    block = max(opts.blocks)
+    count = max(1, min(max(opts.batches), MAX_BATCH_BYTES // block))
+    span = block * count
+    reps = opts.repeat or max(2, opts.target_bytes // (opts.incast * span))
+    rows = []
+    for t in (t for t in running if t.name in LINK_TRANSPORTS):
+        config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
+        env, launcher = _launch(t, opts)
+        with _stderr_to(log):
+            row = measure_incast(t.engine, opts.incast, block, count, reps, opts.trials, net.link, config, env,
+                                 launcher)
+        row["transport"] = t.name
+        rows.append(row)
+        status = "verified" if row["verified"] else f"NOT VERIFIED: {row['error']}"
+        progress.note(f"incast {t.name:<12} {opts.incast} initiators x {fmt_size(block)} x{count}: "
+                      f"{row['gbps']:.2f} GB/s together, {row['single_gbps']:.2f} alone  {status}")
+    return rows
 
 
 def shapes_of(opts: BenchOptions) -> list[tuple[int, int]]:
@@ -297,19 +322,24 @@ def _stderr_to(log: IO[str] | None):
         os.close(saved)
 
 
+def _launch(t: Transport, opts: BenchOptions) -> tuple[dict[str, str], list[str]]:
+    """The environment and the argv prefix a transport's worker processes start with."""
+    env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
+    if t.name != COMPARED_BUILD or not opts.compare_build:
+        return env, []
+    # Started in that tree with it first on the path, so `python -m` imports its flagcx_mc.
+    build = os.path.abspath(opts.compare_build)
+    return env | {"PYTHONPATH": build}, ["env", "-C", build]
+
+
 def _start(t: Transport, opts: BenchOptions, log: IO[str] | None, net: _Net | None = None):
     """Target and initiator processes of one transport, each with one region for its largest shape
     (over a link: each in its namespace, bound to its address)."""
-    env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
+    env, launcher = _launch(t, opts)
     config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
     size = max(cache_bytes(t.layout, b, n) for b, n in shapes_for(t, opts))
     initiator_prefix, target_prefix = net.link.prefixes if net is not None else ([], [])
-    if t.name == COMPARED_BUILD and opts.compare_build:
-        # Started in that tree with it first on the path, so `python -m` imports its flagcx_mc.
-        build = os.path.abspath(opts.compare_build)
-        env["PYTHONPATH"] = build
-        initiator_prefix, target_prefix = (p + ["env", "-C", build] for p in (initiator_prefix, target_prefix))
-    where: tuple[dict, dict] = ({"argv_prefix": target_prefix}, {"argv_prefix": initiator_prefix})
+    where: tuple[dict, dict] = ({"argv_prefix": target_prefix + launcher}, {"argv_prefix": initiator_prefix + launcher})
     if net is not None:
         where[0]["host"], where[1]["host"] = net.link.target_addr, net.link.initiator_addr
     with _stderr_to(log):
@@ -640,7 +670,7 @@ def run_bench(opts: BenchOptions) -> int:
                           "trials": opts.trials, "steal_retries": opts.steal_retries,
                           "steal_retry_at": opts.steal_retry_at,
                           "latency_n": opts.latency_n, "quick": opts.quick, "mooncake": opts.mooncake,
-                          "targets": opts.targets_path, "compare_build": opts.compare_build,
+                          "targets": opts.targets_path, "compare_build": opts.compare_build, "incast": opts.incast,
                           "link": None if opts.link is None else {"rate": opts.link.rate, "loss": opts.link.loss,
                                                                   "kind": opts.link.kind, "text": str(opts.link),
                                                                   "plain_streams": opts.plain_streams}}}
@@ -670,13 +700,16 @@ def run_bench(opts: BenchOptions) -> int:
             progress.note(f"shaped link {opts.link}: initiator {net.link.initiator_addr} ({net.link.initiator_ns}), "
                           f"target {net.link.target_addr} ({net.link.target_ns})")
         _run_all(running, opts, shapes, limits, progress, result, log, net)
+        if net is not None and opts.incast > 1:
+            result["incast"] = _run_incast(running, opts, net, progress, log)
         result["host"]["steal_share"] = steal.share()
     rows, latencies, baselines = result["rows"], result["latency"], result["baselines"]
     order = {t.name: i for i, t in enumerate(TRANSPORTS)}
     rows.sort(key=lambda r: (order[r["transport"]], opts.ops.index(r["op"]), r["block"], r["count"]))
     add_ratios(rows, baselines, limit_of)
     result["targets"] = evaluate_targets(opts.targets, result) if opts.targets else []
-    result["verified"] = all(r["verified"] for r in rows) and all(x["verified"] for x in latencies)
+    result["verified"] = (all(r["verified"] for r in rows) and all(x["verified"] for x in latencies)
+                          and all(x["verified"] for x in result.get("incast", [])))
     print_report(result)
     for path in (opts.png_path, opts.json_path):
         if path and os.path.dirname(path):
