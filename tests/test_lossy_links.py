@@ -169,6 +169,32 @@ def test_a_lossy_link_still_moves_verified_data_within_the_deadline(link, loss):
     assert after["retrans_segs"] > before["retrans_segs"], "no packet was lost: the link is not lossy"
 
 
+def test_gpu_memory_staged_over_a_lossy_link_arrives_whole(link, fake_driver):
+    """GPU memory crosses TCP through pinned staging on the same data connections, so it has the
+    same timers; both sides hold device memory of the fake CUDA driver (lazy copies, as a slow GPU:
+    a chunk reused before its copy was waited for shows up as wrong bytes)."""
+    link.shape(shaped.LinkSpec(rate="10gbit", loss=0.01))
+    env = {"FLAGCX_MC_LIBCUDA": fake_driver, "FAKE_CUDA_UUIDS": "00112233445566778899aabbccddeef0",
+           "FAKE_CUDA_LAZY": "1"}
+    initiator, target = _pair(link, MIB, config={"transfer_timeout": 10.0}, env=env)
+    try:
+        size = 16 * MIB
+        for node in (initiator, target):
+            assert node.call("add_region", size=size, device=0)["index"] == 1
+        before = link.counters()
+        for op, source, dest in (("write", initiator, target), ("read", target, initiator)):
+            digest = source.call("fill", region=1, offset=0, length=size)["digest"]
+            dest.call("set", region=1, byte=0, offset=0, length=size)
+            reply = initiator.call("transfer", op=op, target=target.session,
+                                   items=[[1, 0, target.call("region_info", region=1)["addr"], size]], timeout=60.0)
+            assert reply["rc"] == 0, reply
+            assert dest.call("digest", region=1, offset=0, length=size)["digest"] == digest, op
+        assert link.counters()["retrans_segs"] > before["retrans_segs"]
+    finally:
+        initiator.close()
+        target.close()
+
+
 def test_link_specs_parse_and_bad_ones_are_refused():
     assert shaped.parse_link("clean") == shaped.LinkSpec()
     assert shaped.parse_link("10gbit,loss=0.1%") == shaped.LinkSpec("10gbit", 0.001)
