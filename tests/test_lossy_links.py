@@ -169,13 +169,18 @@ def test_a_lossy_link_still_moves_verified_data_within_the_deadline(link, loss):
     assert after["retrans_segs"] > before["retrans_segs"], "no packet was lost: the link is not lossy"
 
 
-def test_gpu_memory_staged_over_a_lossy_link_arrives_whole(link, fake_driver):
+def test_gpu_memory_staged_over_a_lossy_link_arrives_whole(link, request):
     """GPU memory crosses TCP through pinned staging on the same data connections, so it has the
-    same timers; both sides hold device memory of the fake CUDA driver (lazy copies, as a slow GPU:
-    a chunk reused before its copy was waited for shows up as wrong bytes)."""
+    same timers.  Both sides hold device memory: a real GPU's where there is one, else the fake
+    CUDA driver's (lazy copies, as a slow GPU: a chunk reused before its copy was waited for
+    shows up as wrong bytes)."""
+    from flagcx_mc.buffers import cuda_device_count
+
     link.shape(shaped.LinkSpec(rate="10gbit", loss=0.01))
-    env = {"FLAGCX_MC_LIBCUDA": fake_driver, "FAKE_CUDA_UUIDS": "00112233445566778899aabbccddeef0",
-           "FAKE_CUDA_LAZY": "1"}
+    env: dict[str, str] = {}
+    if cuda_device_count()[0] == 0:
+        env = {"FLAGCX_MC_LIBCUDA": request.getfixturevalue("fake_driver"),
+               "FAKE_CUDA_UUIDS": "00112233445566778899aabbccddeef0", "FAKE_CUDA_LAZY": "1"}
     initiator, target = _pair(link, MIB, config={"transfer_timeout": 10.0}, env=env)
     try:
         size = 16 * MIB
