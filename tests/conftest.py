@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.machinery
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,8 @@ if not _has_compiled_core(_CHECKOUT / "flagcx_mc"):
 # test_same_host.py); child processes inherit it.  Without this, every peer on this machine would
 # be reached with process_vm_writev and the network code would go untested.
 os.environ.setdefault("FLAGCX_MC_TRANSPORT", "tcp")
+
+from support.clibs import build_helper_library  # noqa: E402
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer  # noqa: E402  (after the sys.path check)
 from flagcx_mc._testing.node import NodeProcess  # noqa: E402
@@ -81,13 +81,7 @@ def node():
 def fake_driver(tmp_path_factory) -> str:
     """tests/helpers/fake_libcuda.c built as a shared library: a CUDA driver without a GPU,
     loaded by the core through FLAGCX_MC_LIBCUDA."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the fake CUDA driver")
-    src = os.path.join(os.path.dirname(__file__), "helpers", "fake_libcuda.c")
-    out = str(tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, "-lpthread"], check=True)
-    return out
+    return build_helper_library(tmp_path_factory, "fake_libcuda.c", "-lpthread")
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ minimum RTO; a kernel without them is no error.  Every transfer is verified by c
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
+from support.clibs import build_helper_library
 
 from flagcx_mc._core import lib
 from flagcx_mc._testing.node import NodeProcess
@@ -46,22 +45,19 @@ def _pair(link: shaped.ShapedLink, size: int, config: dict | None = None, env: d
     return initiator, target
 
 
-def _write_verified(initiator: NodeProcess, target: NodeProcess, length: int) -> None:
-    digest = initiator.call("fill", region=0, offset=0, length=length)["digest"]
-    target.call("set", region=0, byte=0, offset=0, length=length)
-    reply = initiator.call("transfer", op="write", target=target.session, items=[[0, 0, target.addr(0), length]],
+def _move_verified(op: str, initiator: NodeProcess, target: NodeProcess, length: int, region: int = 0) -> None:
+    """Random bytes from the op's source to its destination (region ``region`` on both sides),
+    the destination zeroed first; the call must succeed and the bytes arrive exactly."""
+    source, dest = (initiator, target) if op == "write" else (target, initiator)
+    digest = source.call("fill", region=region, offset=0, length=length)["digest"]
+    dest.call("set", region=region, byte=0, offset=0, length=length)
+    remote = target.call("region_info", region=region)["addr"]
+    reply = initiator.call("transfer", op=op, target=target.session, items=[[region, 0, remote, length]],
                            timeout=60.0)
-    assert reply["rc"] == 0, reply
-    assert target.call("digest", region=0, offset=0, length=length)["digest"] == digest
+    assert reply["rc"] == 0, (op, reply)
+    assert dest.call("digest", region=region, offset=0, length=length)["digest"] == digest, op
 
 
-def _read_verified(initiator: NodeProcess, target: NodeProcess, length: int) -> None:
-    digest = target.call("fill", region=0, offset=0, length=length)["digest"]
-    initiator.call("set", region=0, byte=0, offset=0, length=length)
-    reply = initiator.call("transfer", op="read", target=target.session, items=[[0, 0, target.addr(0), length]],
-                           timeout=60.0)
-    assert reply["rc"] == 0, reply
-    assert initiator.call("digest", region=0, offset=0, length=length)["digest"] == digest
 
 
 def _data_connection_rtos(link: shaped.ShapedLink, target: NodeProcess) -> list[float]:
@@ -87,28 +83,29 @@ def _require_timer_options() -> None:
         pytest.skip("this kernel has no per-socket TCP_RTO_MIN_US / TCP_DELACK_MAX_US (Linux 6.15+)")
 
 
-def test_connections_to_another_host_get_the_short_retransmission_timer(link):
-    _require_timer_options()
-    initiator, target = _pair(link, 4 * MIB)
+def _rtos_after_moving(link: shaped.ShapedLink, ops: tuple[str, ...], config: dict | None = None,
+                       env: dict | None = None) -> list[float]:
+    """The target's data connections' RTOs (ms) after verified calls of ``ops`` of 4 MiB."""
+    initiator, target = _pair(link, 4 * MIB, config=config, env=env)
     try:
-        _write_verified(initiator, target, 4 * MIB)
-        rtos = _data_connection_rtos(link, target)
+        for op in ops:
+            _move_verified(op, initiator, target, 4 * MIB)
+        return _data_connection_rtos(link, target)
     finally:
         initiator.close()
         target.close()
+
+
+def test_connections_to_another_host_get_the_short_retransmission_timer(link):
+    _require_timer_options()
+    rtos = _rtos_after_moving(link, ("write",))
     assert len(rtos) >= 4, rtos  # one per stream
     # 5 ms asked for, rounded up to the kernel's timer tick (4 ms at HZ=250): far under 200 ms.
     assert all(r < 50 for r in rtos), rtos
 
 
 def test_a_zero_setting_keeps_the_kernels_timers(link):
-    initiator, target = _pair(link, MIB, config={"rto_min_us": 0, "delack_max_us": 0})
-    try:
-        _write_verified(initiator, target, MIB)
-        rtos = _data_connection_rtos(link, target)
-    finally:
-        initiator.close()
-        target.close()
+    rtos = _rtos_after_moving(link, ("write",), config={"rto_min_us": 0, "delack_max_us": 0})
     assert rtos and all(r >= KERNEL_RTO_MIN_MS for r in rtos), rtos
 
 
@@ -116,38 +113,19 @@ def test_a_setting_under_the_kernels_tick_is_rounded_up_not_dropped(link):
     """1 ms is under one tick on most kernels, which refuse it: the next value they take is
     used instead of the 200 ms default."""
     _require_timer_options()
-    initiator, target = _pair(link, MIB, config={"rto_min_us": 1000, "delack_max_us": 1000})
-    try:
-        _write_verified(initiator, target, MIB)
-        rtos = _data_connection_rtos(link, target)
-    finally:
-        initiator.close()
-        target.close()
+    rtos = _rtos_after_moving(link, ("write",), config={"rto_min_us": 1000, "delack_max_us": 1000})
     assert rtos and all(r < 50 for r in rtos), rtos
 
 
 @pytest.fixture(scope="module")
 def old_kernel_shim(tmp_path_factory) -> str:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the setsockopt shim")
-    src = os.path.join(os.path.dirname(__file__), "helpers", "old_kernel_tcp_timers.c")
-    out = str(tmp_path_factory.mktemp("oldkernel") / "old_kernel_tcp_timers.so")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, "-ldl"], check=True)
-    return out
+    return build_helper_library(tmp_path_factory, "old_kernel_tcp_timers.c", "-ldl")
 
 
 def test_a_kernel_without_the_timer_options_is_not_an_error(link, old_kernel_shim):
     """Before Linux 6.15 the options are refused: the engines start, move verified data and keep
     the kernel's timers (README: what such kernels need instead)."""
-    initiator, target = _pair(link, 4 * MIB, env={"LD_PRELOAD": old_kernel_shim})
-    try:
-        _write_verified(initiator, target, 4 * MIB)
-        _read_verified(initiator, target, 4 * MIB)
-        rtos = _data_connection_rtos(link, target)
-    finally:
-        initiator.close()
-        target.close()
+    rtos = _rtos_after_moving(link, ("write", "read"), env={"LD_PRELOAD": old_kernel_shim})
     assert rtos and all(r >= KERNEL_RTO_MIN_MS for r in rtos), rtos
 
 
@@ -160,8 +138,8 @@ def test_a_lossy_link_still_moves_verified_data_within_the_deadline(link, loss):
     try:
         before = link.counters()
         for _ in range(3):
-            _write_verified(initiator, target, 16 * MIB)
-            _read_verified(initiator, target, 16 * MIB)
+            _move_verified("write", initiator, target, 16 * MIB)
+            _move_verified("read", initiator, target, 16 * MIB)
         after = link.counters()
     finally:
         initiator.close()
@@ -187,13 +165,8 @@ def test_gpu_memory_staged_over_a_lossy_link_arrives_whole(link, request):
         for node in (initiator, target):
             assert node.call("add_region", size=size, device=0)["index"] == 1
         before = link.counters()
-        for op, source, dest in (("write", initiator, target), ("read", target, initiator)):
-            digest = source.call("fill", region=1, offset=0, length=size)["digest"]
-            dest.call("set", region=1, byte=0, offset=0, length=size)
-            reply = initiator.call("transfer", op=op, target=target.session,
-                                   items=[[1, 0, target.call("region_info", region=1)["addr"], size]], timeout=60.0)
-            assert reply["rc"] == 0, reply
-            assert dest.call("digest", region=1, offset=0, length=size)["digest"] == digest, op
+        for op in ("write", "read"):
+            _move_verified(op, initiator, target, size, region=1)
         assert link.counters()["retrans_segs"] > before["retrans_segs"]
     finally:
         initiator.close()
