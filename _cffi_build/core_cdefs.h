@@ -60,6 +60,11 @@ const char *fmc_version(void);
 const char *fmc_last_error(void);
 int fmc_data_header_size(void);
 int fmc_cuda_usable(void);
+/* The CUDA driver library to load (before anything loaded it; "" for libcuda.so.1). */
+int fmc_cuda_set_library(const char *path);
+/* Where a -DFMC_TRACE build writes its event trace at exit (<prefix>.<pid>) and how many events
+ * it keeps (0: 1M); FMC_ERR_NOT_IMPLEMENTED in other builds. */
+int fmc_trace_configure(const char *prefix, uint64_t events);
 /* Whether this kernel takes the per-socket TCP_RTO_MIN_US and TCP_DELACK_MAX_US (Linux 6.15+). */
 int fmc_tcp_timer_options_supported(void);
 /* GPUs by identity (16-byte UUIDs, as cuDeviceGetUuid gives them), and the devices this process

@@ -36,6 +36,19 @@ TASK_PENDING: int = lib.FMC_TASK_PENDING
 _U64_MAX = (1 << 64) - 1
 
 
+def _apply_process_settings() -> None:
+    """Hand the core the settings of the whole process (it reads no environment itself): which
+    CUDA driver to load, and where a trace build writes its events.  Once, at import, before any
+    engine or buffer can need them."""
+    from .config import ProcessSettings
+
+    settings = ProcessSettings.from_env()
+    if settings.cuda_driver and lib.fmc_cuda_set_library(settings.cuda_driver.encode()) != 0:
+        log.warning("FLAGCX_MC_LIBCUDA=%r not used: %s", settings.cuda_driver, last_error())
+    if settings.trace_file and lib.fmc_trace_configure(settings.trace_file.encode(), settings.trace_events) == 0:
+        log.info("the core's event trace goes to %s.<pid>", settings.trace_file)
+
+
 def core_version() -> str:
     """Version string baked into the C module at build time."""
     return ffi.string(lib.fmc_version()).decode()
@@ -455,3 +468,6 @@ class CoreBatch:
 
     def cancel(self) -> None:
         lib.fmc_batch_cancel(self._ptr)
+
+
+_apply_process_settings()

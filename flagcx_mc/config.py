@@ -23,8 +23,8 @@ from .errors import InvalidArgumentError
 from .metadata.redis_store import redis_db_index
 from .metadata.store import StoreSettings
 
-__all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "default_streams", "handshake_max_length",
-           "mooncake_transfer_timeout", "prefault_mode", "rpc_port_range"]
+__all__ = ["GPU_COPY_MODES", "PREFAULT_MODES", "EngineConfig", "ProcessSettings", "default_streams",
+           "handshake_max_length", "mooncake_transfer_timeout", "prefault_mode", "rpc_port_range"]
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,26 @@ def default_streams() -> int:
     while doubling the threads per peer.  Two cores still get 4: fewer left idle gaps.
     """
     return min(8, max(4, usable_cpus() // 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+    """Settings of the whole process rather than of one engine, handed to the core once, when
+    the binding is imported: ``FLAGCX_MC_LIBCUDA`` (the CUDA driver library to load instead of
+    ``libcuda.so.1``), ``FMC_TRACE_FILE`` and ``FMC_TRACE_EVENTS`` (where a core built with
+    ``-DFMC_TRACE`` writes its event trace at exit, ``<file>.<pid>``, and how many events it
+    keeps; ignored by other builds)."""
+
+    cuda_driver: str | None = None
+    trace_file: str | None = None
+    trace_events: int = 0  # 0: the core's default (1M)
+
+    @classmethod
+    def from_env(cls) -> ProcessSettings:
+        events = _env_number("FMC_TRACE_EVENTS", int)
+        return cls(cuda_driver=os.environ.get("FLAGCX_MC_LIBCUDA") or None,
+                   trace_file=os.environ.get("FMC_TRACE_FILE") or None,
+                   trace_events=events if events is not None and events > 0 else 0)
 
 
 # TCP_RTO_MIN_US and TCP_DELACK_MAX_US: Linux takes 1 ms (rounded up to its timer tick, and

@@ -455,7 +455,9 @@ def test_limits_are_a_module_of_their_own():
     assert not [name for name in dir(core_lib) if "baseline" in name]
     assert sorted(name for name in dir(lib) if name.startswith("fmc_")) == [
         "fmc_baseline_cuda_d2d", "fmc_baseline_cuda_host", "fmc_baseline_memcpy", "fmc_baseline_pvm",
-        "fmc_baseline_tcp", "fmc_baseline_tcp_calls", "fmc_baseline_tcp_staged", "fmc_last_error"]
+        "fmc_baseline_tcp", "fmc_baseline_tcp_calls", "fmc_baseline_tcp_staged", "fmc_last_error",
+        "fmc_limits_set_local_cc"]
+    assert lib.fmc_limits_set_local_cc(b"x" * 16) < 0  # longer than a congestion control's name
     with pytest.raises(errors.InvalidArgumentError, match="need block > 0"):
         bl.tcp_gbps(1, 0, 4096, 4096)  # the limits' own error text
 

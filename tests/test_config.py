@@ -64,3 +64,17 @@ async def test_data_port_range_apart_from_the_rpc_port():
         await eng.initialize("127.0.0.1")
         assert await eng.get_rpc_port() == 16500
         assert 16501 <= eng.stats()["data_port"] <= 16520
+
+
+def test_process_settings_come_from_the_environment(monkeypatch):
+    from flagcx_mc.config import ProcessSettings
+
+    for name in ("FLAGCX_MC_LIBCUDA", "FMC_TRACE_FILE", "FMC_TRACE_EVENTS"):
+        monkeypatch.delenv(name, raising=False)
+    assert ProcessSettings.from_env() == ProcessSettings(None, None, 0)
+    monkeypatch.setenv("FLAGCX_MC_LIBCUDA", "/opt/fake/libcuda.so")
+    monkeypatch.setenv("FMC_TRACE_FILE", "/tmp/trace")
+    monkeypatch.setenv("FMC_TRACE_EVENTS", "5000")
+    assert ProcessSettings.from_env() == ProcessSettings("/opt/fake/libcuda.so", "/tmp/trace", 5000)
+    monkeypatch.setenv("FMC_TRACE_EVENTS", "lots")
+    assert ProcessSettings.from_env().trace_events == 0

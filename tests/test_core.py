@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import struct
@@ -189,3 +190,27 @@ def test_data_port_refuses_hostile_requests(core):
         assert any("refused" in line for line in core.drain_log())
     finally:
         buf.close()
+
+
+def test_the_core_reads_no_environment():
+    """Every setting reaches the C core from flagcx_mc.config (EngineConfig per engine,
+    ProcessSettings per process), so no C source may read the environment itself."""
+    import re
+    from pathlib import Path
+
+    build = Path(__file__).resolve().parents[1] / "_cffi_build"
+    readers = [f"{p.relative_to(build)}:{n}" for p in sorted(build.rglob("*.[ch]"))
+               for n, line in enumerate(p.read_text().splitlines(), 1)
+               if re.search(r"\b(secure_)?getenv\s*\(", line)]
+    assert readers == []
+
+
+def test_the_cuda_driver_is_chosen_before_it_is_loaded():
+    from flagcx_mc._core import ffi, lib
+    from flagcx_mc.buffers import cuda_device_count
+
+    cuda_device_count()  # loads (or tries) the driver the process was given
+    current = os.environ.get("FLAGCX_MC_LIBCUDA", "").encode()
+    assert lib.fmc_cuda_set_library(current) == 0  # the same one: nothing changes
+    assert lib.fmc_cuda_set_library(b"/elsewhere/libcuda.so.1") < 0
+    assert b"already loaded" in ffi.string(lib.fmc_last_error())

@@ -228,11 +228,25 @@ static void dma_buffer_free(uint8_t *buf);
 static int dma_start(bl_dma *d, bl_stream_end *ends, int streams, uint64_t buf_len, bl_gate *gate);
 static int dma_finish(bl_dma *d);
 
+/* The socket options of the raw socket's connections: an engine's defaults, with the congestion
+ * control within this host that the caller's settings name (fmc_limits_set_local_cc). */
+static fmc_options limit_opts = {.local_cc = "reno",
+                                 .rto_min_us = FMC_RTO_MIN_US_DEFAULT,
+                                 .delack_max_us = FMC_DELACK_MAX_US_DEFAULT};
+
+int fmc_limits_set_local_cc(const char *cc)
+{
+    if (!cc || strlen(cc) >= sizeof limit_opts.local_cc)
+        return FMC_ERR_INVALID_ARGUMENT;
+    snprintf(limit_opts.local_cc, sizeof limit_opts.local_cc, "%s", cc);
+    return 0;
+}
+
 /* One loopback connection to the listener `lfd` on `port`, both ends tuned as the engine's
  * streams are: 0, or an FMC_ERR_* code with the ends left at -1. */
 static int connect_pair(int lfd, int port, int *client_fd, int *server_fd)
 {
-    int c = fmc_tcp_connect("127.0.0.1", port, 5000);
+    int c = fmc_tcp_connect_opts("127.0.0.1", port, 5000, &limit_opts);
     if (c < 0)
         return c;
     int sv = accept(lfd, NULL, NULL);
@@ -241,8 +255,8 @@ static int connect_pair(int lfd, int port, int *client_fd, int *server_fd)
         close(c);
         return FMC_ERR_SOCKET;
     }
-    fmc_tune_socket(c);
-    fmc_tune_socket(sv);
+    fmc_tune_socket_opts(c, &limit_opts);
+    fmc_tune_socket_opts(sv, &limit_opts);
     *client_fd = c;
     *server_fd = sv;
     return 0;

@@ -3,6 +3,9 @@
  * the core's FMC_ERR_* codes with the reason in fmc_last_error (FMC_ERR_NOT_IMPLEMENTED: this
  * machine cannot measure it). */
 const char *fmc_last_error(void);
+/* Congestion control of the raw socket's loopback connections, as an engine's local_cc ("" keeps
+ * the host's); "reno" until set. */
+int fmc_limits_set_local_cc(const char *cc);
 int fmc_baseline_memcpy(uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
 int fmc_baseline_tcp(int streams, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);
 int fmc_baseline_tcp_calls(int streams, int cpus, uint64_t block, uint64_t span, uint64_t total, double *gbps_out);

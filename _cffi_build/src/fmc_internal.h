@@ -138,18 +138,15 @@ void fmc_zc_pipe_close(int pipefd[2]);
 
 /* ------------------------------------------------------------------------- tcp/fmc_socket.c */
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
-int fmc_tcp_connect(const char *host, int port, int timeout_ms);
 /* Options of every data connection (fmc_tune_socket_opts): local_cc, congestion control if the
  * peer is on this host ("" leaves the host's); rto_min_us and delack_max_us, the kernel's
  * per-socket TCP_RTO_MIN_US and TCP_DELACK_MAX_US (Linux 6.15+), so that a lost packet costs
  * milliseconds, not the 200 ms minimum RTO (0 leaves the kernel's; an older kernel's refusal is
- * ignored), set before the handshake by fmc_tcp_timers_early.  fmc_tune_socket and fmc_tcp_connect, for the benchmark's
- * raw socket (no engine), use an engine's defaults, with local_cc from FLAGCX_MC_LOCAL_CC. */
+ * ignored), set before the handshake by fmc_tcp_timers_early. */
 #define FMC_RTO_MIN_US_DEFAULT 5000
 #define FMC_DELACK_MAX_US_DEFAULT 5000
 void fmc_tune_socket_opts(int fd, const fmc_options *opts);
 void fmc_tcp_timers_early(int fd, const fmc_options *opts); /* before connect, or on a listener */
-void fmc_tune_socket(int fd);
 /* Both ends of a connected socket are on this host (a loopback peer, or our own address). */
 int fmc_socket_is_local(int fd);
 int fmc_tcp_connect_opts(const char *host, int port, int timeout_ms, const fmc_options *opts);

@@ -1,18 +1,28 @@
 /* The diagnostic event trace (fmc_internal.h, FMC_TR): compiled only with -DFMC_TRACE.  Events
  * go to one array, taken slot by slot with an atomic counter so that recording costs a clock
- * read and a store (it must not change the timing it measures); the first
- * $FMC_TRACE_EVENTS (default 1M) are kept.  At exit the array is written to
- * $FMC_TRACE_FILE.<pid>, one line per event: "time_ns thread event a b". */
-#ifdef FMC_TRACE
+ * read and a store (it must not change the timing it measures); the first `events` given to
+ * fmc_trace_configure (default 1M) are kept.  At exit the array is written to <prefix>.<pid>,
+ * one line per event: "time_ns thread event a b".  The Python side configures it from
+ * FMC_TRACE_FILE and FMC_TRACE_EVENTS (flagcx_mc.config.trace_settings). */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"
+
+#ifndef FMC_TRACE
+int fmc_trace_configure(const char *prefix, uint64_t events)
+{
+    (void)prefix;
+    (void)events;
+    return FMC_ERR_NOT_IMPLEMENTED; /* a build without the trace */
+}
+#else
 
 typedef struct {
     uint64_t t_ns;
@@ -21,17 +31,28 @@ typedef struct {
 } trace_entry;
 
 static trace_entry *entries;
-static uint64_t capacity, taken;
+static uint64_t capacity, taken, wanted = 1u << 20;
+static char dump_prefix[4096]; /* "": nothing written at exit */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static __thread uint32_t thread_id;
 
 static void trace_init(void)
 {
-    const char *n = getenv("FMC_TRACE_EVENTS");
-    capacity = n && atoll(n) > 0 ? (uint64_t)atoll(n) : (1u << 20);
+    capacity = wanted;
     entries = calloc(capacity, sizeof *entries);
     if (!entries)
         capacity = 0;
+}
+
+/* Where the trace goes at exit and how many events it keeps; before the first event only. */
+int fmc_trace_configure(const char *prefix, uint64_t events)
+{
+    if (!prefix || strlen(prefix) >= sizeof dump_prefix)
+        return FMC_ERR_INVALID_ARGUMENT;
+    snprintf(dump_prefix, sizeof dump_prefix, "%s", prefix);
+    if (events > 0)
+        wanted = events;
+    return 0;
 }
 
 void fmc_trace(int event, uint64_t a, uint64_t b)
@@ -50,8 +71,8 @@ void fmc_trace(int event, uint64_t a, uint64_t b)
 
 __attribute__((destructor)) static void trace_dump(void)
 {
-    const char *prefix = getenv("FMC_TRACE_FILE");
-    if (!prefix || !entries)
+    const char *prefix = dump_prefix;
+    if (!*prefix || !entries)
         return;
     char name[4096];
     snprintf(name, sizeof name, "%s.%d", prefix, (int)getpid());
@@ -60,7 +81,8 @@ __attribute__((destructor)) static void trace_dump(void)
         return;
     uint64_t n = taken < capacity ? taken : capacity;
     if (taken > capacity)
-        fprintf(out, "# dropped %llu events past FMC_TRACE_EVENTS\n", (unsigned long long)(taken - capacity));
+        fprintf(out, "# dropped %llu events past the %llu kept (FMC_TRACE_EVENTS)\n",
+                (unsigned long long)(taken - capacity), (unsigned long long)capacity);
     for (uint64_t i = 0; i < n; i++)
         fprintf(out, "%llu %u %u %llu %llu\n", (unsigned long long)entries[i].t_ns, entries[i].thread,
                 entries[i].event, (unsigned long long)entries[i].a, (unsigned long long)entries[i].b);

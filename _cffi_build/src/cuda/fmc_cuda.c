@@ -18,6 +18,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -106,12 +107,32 @@ static struct {
 } cu;
 
 static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
+static char chosen_library[4096]; /* fmc_cuda_set_library; "" loads libcuda.so.1 (or libcuda.so) */
+
+int fmc_cuda_set_library(const char *path)
+{
+    if (!path || strlen(path) >= sizeof chosen_library) {
+        fmc_set_error("the CUDA driver's path must be 0 to %zu bytes", sizeof chosen_library - 1);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    pthread_mutex_lock(&cu_mu);
+    int rc = FMC_OK;
+    if (cu.state != 0 && strcmp(path, chosen_library) != 0) {
+        fmc_set_error("the CUDA driver is already loaded (or was tried) from '%s'", *chosen_library ? chosen_library
+                                                                                                  : "libcuda.so.1");
+        rc = FMC_ERR_INVALID_ARGUMENT;
+    } else {
+        snprintf(chosen_library, sizeof chosen_library, "%s", path);
+    }
+    pthread_mutex_unlock(&cu_mu);
+    return rc;
+}
 
 static int load(void)
 {
-    const char *chosen = getenv("FLAGCX_MC_LIBCUDA");
-    const char *names[] = {chosen && *chosen ? chosen : "libcuda.so.1", "libcuda.so"};
-    for (size_t i = 0; i < (chosen && *chosen ? 1u : 2u) && !cu.lib; i++)
+    const char *chosen = chosen_library;
+    const char *names[] = {*chosen ? chosen : "libcuda.so.1", "libcuda.so"};
+    for (size_t i = 0; i < (*chosen ? 1u : 2u) && !cu.lib; i++)
         cu.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
     if (!cu.lib)
         return -1;

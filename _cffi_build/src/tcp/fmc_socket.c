@@ -7,7 +7,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,25 +92,6 @@ int fmc_tcp_timer_options_supported(void)
     return ok;
 }
 
-/* What an engine made with the environment's settings would use: for callers without an engine
- * (the benchmark's raw socket). */
-static fmc_options env_opts;
-static pthread_once_t env_opts_once = PTHREAD_ONCE_INIT;
-
-static void env_options_init(void)
-{
-    const char *cc = getenv("FLAGCX_MC_LOCAL_CC");
-    snprintf(env_opts.local_cc, sizeof env_opts.local_cc, "%s", cc ? cc : "reno");
-    env_opts.rto_min_us = FMC_RTO_MIN_US_DEFAULT;
-    env_opts.delack_max_us = FMC_DELACK_MAX_US_DEFAULT;
-}
-
-static const fmc_options *env_options(void)
-{
-    pthread_once(&env_opts_once, env_options_init);
-    return &env_opts;
-}
-
 /* A connection within this host never meets a network, so congestion control has nothing to
  * control; BBR (the default on many hosts, this VM's too) still paces every send with timers,
  * which cost 9-37 % of loopback throughput on 2 cores. Such connections use reno (always built
@@ -137,8 +117,6 @@ void fmc_tune_socket_opts(int fd, const fmc_options *opts)
             setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, opts->local_cc, (socklen_t)strlen(opts->local_cc));
     }
 }
-
-void fmc_tune_socket(int fd) { fmc_tune_socket_opts(fd, env_options()); }
 
 /* A port in [lo, hi], or -1 (error set) without random bytes. */
 static int random_port(int lo, int hi)
@@ -249,9 +227,4 @@ int fmc_tcp_connect_opts(const char *host, int port, int timeout_ms, const fmc_o
     freeaddrinfo(res);
     fmc_set_error("cannot connect to %s:%d: %s", host, port, strerror(err));
     return err == ETIMEDOUT ? FMC_ERR_TIMEOUT : FMC_ERR_SOCKET;
-}
-
-int fmc_tcp_connect(const char *host, int port, int timeout_ms)
-{
-    return fmc_tcp_connect_opts(host, port, timeout_ms, env_options());
 }

@@ -36,7 +36,7 @@ The ratios of measured rows against these limits are made by ``report``.
 from __future__ import annotations
 
 from ... import errors
-from ...config import usable_cpus
+from ...config import EngineConfig, usable_cpus
 from ._limits_cffi import ffi, lib  # type: ignore[import-not-found]
 
 __all__ = [
@@ -89,8 +89,14 @@ def memcpy_gbps(block: int, span: int, total: int) -> float:
     return _out(lib.fmc_baseline_memcpy(block, span, total, gbps), gbps, "memcpy baseline")
 
 
+def _tune_like_an_engine() -> None:
+    """The raw socket's connections get the congestion control an engine made now would use."""
+    lib.fmc_limits_set_local_cc(EngineConfig.from_env().local_cc.encode())
+
+
 def tcp_gbps(streams: int, block: int, span: int, total: int) -> float:
     """Loopback TCP throughput over ``streams`` connections."""
+    _tune_like_an_engine()
     gbps = ffi.new("double *")
     return _out(lib.fmc_baseline_tcp(streams, block, span, total, gbps), gbps, "raw socket baseline")
 
@@ -99,6 +105,7 @@ def tcp_calls_gbps(streams: int, block: int, span: int, total: int, cpus: int | 
     """Loopback TCP used call by call: ``span`` bytes a call, answered, over the best split of up
     to ``streams`` connections (``socket calls``); splits sent by polling client threads only
     where they and the receivers fit ``cpus`` (default: the CPUs this process may run on)."""
+    _tune_like_an_engine()
     gbps = ffi.new("double *")
     rc = lib.fmc_baseline_tcp_calls(streams, usable_cpus() if cpus is None else cpus, block, span, total, gbps)
     return _out(rc, gbps, "socket calls baseline")
@@ -107,6 +114,7 @@ def tcp_calls_gbps(streams: int, block: int, span: int, total: int, cpus: int | 
 def tcp_staged_gbps(streams: int, block: int, span: int, total: int, device: int = 0) -> float:
     """Loopback TCP throughput over ``streams`` connections with as many bytes copied between
     their pinned buffers and ``device`` beside them (``staged socket``)."""
+    _tune_like_an_engine()
     gbps = ffi.new("double *")
     rc = lib.fmc_baseline_tcp_staged(streams, device, block, span, total, gbps)
     return _out(rc, gbps, "staged socket baseline")
