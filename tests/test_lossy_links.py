@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from support.clibs import build_helper_library
@@ -195,11 +197,13 @@ def test_counter_files_parse():
 # --- flagcx-mc bench --link ------------------------------------------------------------------
 
 
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    import sys
+ROOT = Path(__file__).resolve().parents[1]
 
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    # Run outside the source tree, so the installed package (with its compiled core) is imported.
     return subprocess.run([sys.executable, "-m", "flagcx_mc.tools.cli", "bench", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=ROOT / "examples")
 
 
 def test_bench_over_a_lossy_link_verifies_rows_beside_plain_streams_with_counters(tmp_path):
@@ -211,7 +215,7 @@ def test_bench_over_a_lossy_link_verifies_rows_beside_plain_streams_with_counter
     out = tmp_path / "link.json"
     proc = _bench("--link", "10gbit,loss=1%", "--transports", "tcp,same-host", "--blocks", "64k", "--batch", "64",
                   "--trials", "1", "--no-mooncake", "--incast", "3", "--repeat", "2",
-                  "--json", str(out), "--png", "", "--targets", "docs/bench/targets.json")
+                  "--json", str(out), "--png", "", "--targets", str(ROOT / "docs" / "bench" / "targets.json"))
     data = json.loads(out.read_text())
     assert data["options"]["link"] == {"rate": "10gbit", "loss": 0.01, "kind": "lossy", "text": "10gbit + loss 1%",
                                        "plain_streams": 4}, proc.stderr
