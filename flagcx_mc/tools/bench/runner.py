@@ -327,9 +327,11 @@ def _launch(t: Transport, opts: BenchOptions) -> tuple[dict[str, str], list[str]
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
     if t.name != COMPARED_BUILD or not opts.compare_build:
         return env, []
-    # Started in that tree with it first on the path, so `python -m` imports its flagcx_mc.
+    # Started in that tree with it first on the path, so `python -m` imports its flagcx_mc (and
+    # whatever the path held before, for its dependencies).
     build = os.path.abspath(opts.compare_build)
-    return env | {"PYTHONPATH": build}, ["env", "-C", build]
+    path = os.pathsep.join(p for p in (build, os.environ.get("PYTHONPATH", "")) if p)
+    return env | {"PYTHONPATH": path}, ["env", "-C", build]
 
 
 def _start(t: Transport, opts: BenchOptions, log: IO[str] | None, net: _Net | None = None):
