@@ -1,8 +1,9 @@
-"""Large write payloads leave through vmsplice + splice (fmc_splice.c): the target copies them
-out of the caller's pages after the send returned.  These tests hold the engine to what makes
-that safe: a call returns only once the bytes are at the target, a rewritten source never
-reaches it, the result is the same with the feature off, and a peer vanishing mid-send raises
-no SIGPIPE in a process that has not ignored it."""
+"""A write's source belongs to the caller again once the call has returned, succeeded or failed:
+a source rewritten at once never reaches the target, also when the target was stopped in the
+middle of the call and resumed after it failed (write payloads are copied into the socket: a
+spliced page would be read whenever the target gets to it, fmc_splice.c).  The bytes are the
+same whatever the zerocopy setting (which covers a target's read answers), and a peer vanishing
+mid-send raises no SIGPIPE in a process that has not ignored it."""
 from __future__ import annotations
 
 import os
@@ -94,3 +95,48 @@ def test_a_target_killed_mid_write_fails_the_call_without_sigpipe():
         assert initiator.call("stats")  # still answering
     finally:
         initiator.close()
+
+
+def test_a_source_rewritten_after_a_failed_call_never_reaches_a_stopped_target():
+    """50 writes of 64 MiB on one host, each with the target stopped (SIGSTOP) a few milliseconds
+    in, so that most calls fail at their 0.3 s deadline with the target in the middle of a
+    payload; then the caller rewrites its source with 0xEE and the target resumes.  No 0xEE byte
+    may ever land (with spliced write payloads about one run in 24 did)."""
+    size = 64 * MIB
+    target = NodeProcess(regions=[size], config={"transport": "tcp"})
+    eng = TransferEngine(transfer_timeout=0.3, handshake_timeout=1.0, transport="tcp")
+    buf = HostBuffer(size)
+    failed = 0
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, size) == 0
+        for attempt in range(50):
+            buf.fill(0x11, 0, size)
+            target.call("set", region=0, byte=0, offset=0, length=size)
+            # The session (re)opened first, so that the stop falls within the write itself.
+            assert eng.transfer_sync_write(target.session, buf.addr, target.addr(0), 4096) == 0
+            result: dict = {}
+
+            def call(result: dict = result) -> None:
+                result["rc"] = eng.transfer_sync_write(target.session, buf.addr, target.addr(0), size)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            time.sleep(0.001 * (attempt % 12))
+            target.freeze()
+            caller.join(30)
+            assert not caller.is_alive()
+            buf.fill(0xEE, 0, size)  # the caller owns its source again
+            os.kill(target.pid, signal.SIGCONT)
+            failed += result["rc"] != 0
+            # The target's threads run on: whatever they still land, they land now.
+            assert target.call("count_byte", region=0, byte=0xEE)["count"] == 0, f"attempt {attempt}"
+        assert failed >= 10, f"only {failed} of 50 calls failed: the target was not stopped mid-call"
+        # The engine stays usable.
+        digest = buf.fill_random(0, size)
+        assert eng.transfer_sync_write(target.session, buf.addr, target.addr(0), size) == 0
+        assert target.call("digest", region=0, offset=0, length=size)["digest"] == digest
+    finally:
+        eng.close()
+        buf.close()
+        target.close()
