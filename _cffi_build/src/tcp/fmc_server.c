@@ -788,7 +788,7 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
     }
     int rc = 0;
     if (is_write && ok_bytes && initiator_gave_up(cs, q->len))
-        rc = -1; /* its payloads may be zero-copy from pages the initiator reuses: drop them */
+        rc = -1; /* the initiator failed this call and returned: drop its payloads */
     if (rc == 0 && is_write && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
         rc = -1;
     if (rc < 0) {
