@@ -128,9 +128,8 @@ int fmc_socket_reset(int fd);
 /* ------------------------------------------------------------------------- tcp/fmc_splice.c */
 /* Zero-copy sends: iovecs flagged in zc[] go through vmsplice + splice (the
  * pipe is opened on first use, closed with fmc_zc_pipe_close), the rest through sendmsg.  Only
- * for memory that stays untouched until the peer has read it, whatever the peer does: a target's
- * read answers, whose regions stay pinned until the initiator acknowledges them (fmc_wire.h).
- * Write payloads are copied (fmc_stream.c, send_range). */
+ * for memory that stays untouched until the peer has read it: write payloads from the caller,
+ * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
@@ -480,6 +479,8 @@ typedef struct fmc_stream {
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
+    int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
+    int zc_link;              /* the connection stays within this host: zero-copy sends pay off */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
     int dead;

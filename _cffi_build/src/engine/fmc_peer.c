@@ -52,6 +52,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
         st->wake_fd = -1;
+        st->zc_pipe[0] = st->zc_pipe[1] = -1;
     }
     *out = p;
     return FMC_OK;
@@ -490,6 +491,7 @@ void fmc_peer_release(fmc_peer *p)
         for (int f = 0; f < FMC_STAGE_DEPTH; f++)
             fmc_cuda_fence_free(&p->streams[i].send_fence[f]);
         free(p->streams[i].scratch);
+        fmc_zc_pipe_close(p->streams[i].zc_pipe);
         fmc_reader_free(&p->streams[i].rd);
         if (p->streams[i].wake_fd >= 0)
             close(p->streams[i].wake_fd);

@@ -111,6 +111,7 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
             st->rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
         pthread_mutex_lock(&st->mu);
         st->fd = fds[i];
+        st->zc_link = fmc_socket_is_local(fds[i]);
         st->dead = 0;
         st->threads_alive = 2;
         pthread_mutex_unlock(&st->mu);

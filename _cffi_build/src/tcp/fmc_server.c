@@ -6,7 +6,6 @@
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -190,12 +189,10 @@ static void push_payload(fmc_conn_state *cs, void *data, uint64_t len, int zc)
     cs->out_bytes += len;
 }
 
-/* An initiator that reset the connection has failed the call this payload belongs to and
- * returned, so the payload should not land any more: one poll() says whether the connection was
- * reset (bytes queued before the reset stay readable), for payloads of FMC_ZC_MIN_BYTES or more,
- * where the check costs little against the copy.  The bytes are the call's own (initiators copy
- * write payloads into the socket; older ones sent them zero-copy, out of the caller's pages);
- * a payload already being received when the reset came still lands. */
+/* A write payload of FMC_ZC_MIN_BYTES or more may have been sent zero-copy (fmc_splice.c): its
+ * bytes are read out of the initiator's pages only now.  An initiator that reset the connection
+ * has failed that call and may be reusing those pages, so such a payload must not land: one
+ * poll() says whether the connection was reset (bytes queued before the reset stay readable). */
 static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
 {
     return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
@@ -788,7 +785,7 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
     }
     int rc = 0;
     if (is_write && ok_bytes && initiator_gave_up(cs, q->len))
-        rc = -1; /* the initiator failed this call and returned: drop its payloads */
+        rc = -1; /* its payloads may be zero-copy from pages the initiator reuses: drop them */
     if (rc == 0 && is_write && failed && !cs->sink && !(cs->sink = malloc(FMC_VEC_ENTRY_MAX)))
         rc = -1;
     if (rc < 0) {
@@ -957,12 +954,6 @@ static void *conn_main(void *arg)
 {
     fmc_conn_state *cs = arg;
     fmc_engine *e = cs->e;
-    /* splice() (zero-copy answers) has no MSG_NOSIGNAL: an initiator gone mid-send must not raise
-     * SIGPIPE in the host process (EPIPE is enough); a signal left pending here dies with it. */
-    sigset_t pipe_signal;
-    sigemptyset(&pipe_signal);
-    sigaddset(&pipe_signal, SIGPIPE);
-    pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     serve(cs);
     fmc_server_conn *c = cs->c;
     if (cs->ledger_count) {

@@ -3,21 +3,22 @@
  * copies straight out of them: one copy per byte on loopback instead of two, 20-35 % more
  * throughput for large transfers on a small machine.
  *
- * The pages are read when the receiver copies them, after the send returned, however long the
- * receiver takes, so only memory that stays put until then, whatever the receiver does, may go:
- * read answers (fmc_server.c), whose regions the target keeps pinned until the initiator
- * acknowledges the answers, resetting the connection before letting unacknowledged ones go (the
- * protocol is in fmc_wire.h).  Write payloads do not qualify: a failed call returns to a caller
- * who may rewrite its source at once, while a stopped target still holds its pages (fmc_stream.c,
- * send_range).  GPU sources and rounds with little payload (three syscalls instead of one do
- * not pay off) are copied.  Several small payloads go through the pipe together, one vmsplice
- * for as many as it holds.
+ * The pages are read when the receiver copies them, after the send returned, so a caller may
+ * only hand over memory that stays put until the receiver has its copy:
+ * - write payloads (fmc_stream.c): the caller leaves its source alone until the call completes,
+ *   and completion comes only after the target has read every byte;
+ * - read answers (fmc_server.c): the target keeps the regions pinned until the initiator
+ *   acknowledges the answers, and resets the connection before letting unacknowledged ones go
+ *   (the protocol is in fmc_wire.h).
+ * GPU sources (their staging buffer is reused by the next round) and rounds with little payload
+ * (three syscalls instead of one do not pay off) are copied.  A vector's small payloads go
+ * through the pipe together, one vmsplice for as many as it holds.
  *
  * Where the kernel refuses (no vmsplice in a sandbox, a socket type splice cannot feed), the
  * first failure turns the feature off for the process and the bytes go out with sendmsg.
- * An engine's zerocopy option (FLAGCX_MC_ZEROCOPY=0) turns it off for that engine; a target
- * offers it only within its host (fmc_server.c): over a lossy, reordering link zero-copy sends
- * cost twice the spurious retransmissions of copied ones. */
+ * An engine's zerocopy option (FLAGCX_MC_ZEROCOPY=0) turns it off for that engine.  Connections to
+ * other hosts always copy: over a lossy, reordering link zero-copy sends cost twice the spurious
+ * retransmissions (fmc_stream.c, stream_zc). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>

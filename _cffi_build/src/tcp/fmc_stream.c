@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -135,14 +136,23 @@ typedef struct send_scratch {
     uint8_t ack[FMC_REQ_SIZE];
     uint8_t table[FMC_IOV_MAX][FMC_VEC_ENTRY_SIZE]; /* vector entries of the current sendmsg */
     struct iovec iov[FMC_IOV_MAX];
+    uint8_t zc[FMC_IOV_MAX];        /* iov[i] may go out zero-copy (fmc_splice.c) */
     fmc_slice *writes[FMC_IOV_MAX]; /* write slices of the current sendmsg */
     uint64_t copy_dst[FMC_IOV_MAX], copy_src[FMC_IOV_MAX]; /* its GPU sources' staging copies */
     size_t copy_len[FMC_IOV_MAX];
     struct iovec *rest; /* a handed-off round (st->handoff): its unsent iovecs */
-    int rest_n, rest_nw, rest_gpu;
+    int rest_n, rest_nw, rest_nzc, rest_gpu;
 } send_scratch;
 
 static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc);
+
+/* A write payload that may leave zero-copy (fmc_splice.c): host memory (GPU sources are staged
+ * in a buffer the next round reuses), large enough to pay for the extra syscalls, and to our own
+ * targets, which check for a reset before it lands. */
+static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
+{
+    return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
+}
 
 /* Small slices of one batch travel as vectors when the target takes them, from and into host or
  * GPU memory: GPU sources are gathered into staging (stage_gpu_sources), a read's GPU
@@ -178,21 +188,25 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
     return FMC_REQ_SIZE;
 }
 
-/* A round's iovecs [from, to) leave, by the deadline where one is set.
- *
- * Write payloads are always copied into the socket.  Spliced pages (vmsplice + splice) would
- * leave the target to copy them out of the caller's memory whenever it reads: a target stopped
- * in the middle of a payload, resumed after the call failed and returned, read bytes the caller
- * had written into its source since (about one run in 24 against a SIGSTOPped target on one
- * host), and no bound on the wait closes that; over a link that loses and reorders packets they
- * also cost twice the spurious retransmissions (BENCHMARKS.md, lossy links). */
+/* Zero-copy sends on this stream (fmc_splice.c): only within this host, where they save the
+ * receiver's second copy.  Over a link that reorders and loses packets they measured twice the
+ * spurious retransmissions of copied sends and up to a quarter less throughput (BENCHMARKS.md,
+ * lossy links), for a copy the sender's CPU can afford at network rates. */
+static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enabled(st->peer->engine); }
+
+/* A round's iovecs [from, to) leave: zero-copy where flagged, by the deadline where one is set. */
 static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_t deadline_ms)
 {
     if (to <= from)
         return 0;
     struct iovec *iov = sc->iov + from;
-    int n = to - from;
-    return deadline_ms >= 0 ? fmc_sendv_deadline(st->fd, iov, n, deadline_ms) : fmc_sendv_all(st->fd, iov, n);
+    int n = to - from, nzc = 0;
+    for (int i = from; i < to; i++)
+        nzc += sc->zc[i];
+    if (deadline_ms >= 0)
+        return fmc_sendv_deadline(st->fd, iov, n, deadline_ms);
+    return nzc && stream_zc(st) ? fmc_sendv_zc(st->fd, iov, n, sc->zc + from, st->zc_pipe)
+                                : fmc_sendv_all(st->fd, iov, n);
 }
 
 /* A piece of a round in the send pipeline: iovecs [from, to), its GPU sources gathered into
@@ -328,7 +342,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (!st->scratch && !(st->scratch = malloc(sizeof *st->scratch)))
         return -1;
     send_scratch *sc = st->scratch;
-    int niov = 0, nh = 0, nw = 0, nent = 0;
+    int niov = 0, nh = 0, nw = 0, nent = 0, nzc = 0;
     size_t bytes = 0;
     st->sending_active = 1;
     if (st->zc_owed && st->peer->proto == FMC_PROTO_NATIVE) {
@@ -336,6 +350,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         fmc_req_encode(sc->ack, &ack);
         st->zc_owed = 0;
         st->zc_ack_idle = 0;
+        sc->zc[niov] = 0;
         sc->iov[niov++] = (struct iovec){.iov_base = sc->ack, .iov_len = FMC_REQ_SIZE};
     }
     fmc_slice *first_sent = st->pending.head;
@@ -366,10 +381,18 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITEV : FMC_WIRE_OP_READV, .key = (uint32_t)k,
                          .id = s->id, .addr = 0, .len = sum};
             fmc_req_encode(sc->hdr[nh], &q);
+            sc->zc[niov] = sc->zc[niov + 1] = 0;
             sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = FMC_REQ_SIZE};
             sc->iov[niov++] = (struct iovec){.iov_base = table, .iov_len = (size_t)k * FMC_VEC_ENTRY_SIZE};
             bytes += FMC_REQ_SIZE + (size_t)k * FMC_VEC_ENTRY_SIZE;
-            for (fmc_slice *x = s; is_write && k--; x = x->next) { /* linked in order on `inflight` */
+            int dev = -1; /* a GPU source's, if any (staged: the vector is copied) */
+            const fmc_slice *y = s;
+            for (int j = 0; is_write && j < k; j++, y = y->next) /* linked in order on `inflight` */
+                dev = y->local_dev >= 0 ? y->local_dev : dev;
+            int zc = is_write && zero_copy_payload(st, dev, sum);
+            nzc += zc;
+            for (fmc_slice *x = s; is_write && k--; x = x->next) {
+                sc->zc[niov] = (uint8_t)zc;
                 sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)x->local, .iov_len = x->len};
                 bytes += x->len;
                 x->sending = 1;
@@ -383,9 +406,12 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         fmc_slice_list_push(&st->inflight, s);
         s->vec_n = 1;
         size_t hlen = encode_request(st->peer->proto, s, is_write, sc->hdr[nh]);
+        sc->zc[niov] = 0;
         sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
         bytes += hlen;
         if (is_write) {
+            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s->local_dev, s->len);
+            nzc += sc->zc[niov];
             sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
             bytes += s->len;
             s->sending = 1;
@@ -396,14 +422,14 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         wake_receiver(st); /* answers will come: before the first byte leaves */
     int fd = st->fd;
     if (deadline_ms == FMC_INLINE_NOWAIT) {
-        /* A GPU source (staging waits on a copy) goes whole to the sender thread; otherwise send
-         * what the socket takes now and leave it the rest. */
+        /* A GPU source (staging waits on a copy) or a zero-copy payload goes whole to the sender
+         * thread; otherwise send what the socket takes now and leave it the rest. */
         int gpu = 0;
         for (int i = 0; i < nw; i++)
             gpu |= sc->writes[i]->local_dev >= 0;
         struct iovec *rest = sc->iov;
         int rest_n = niov;
-        if (!gpu) {
+        if (!gpu && !nzc) {
             pthread_mutex_unlock(&st->mu);
             int rc = fmc_sendv_nowait(fd, &rest, &rest_n);
             pthread_mutex_lock(&st->mu);
@@ -417,6 +443,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->rest = rest;
         sc->rest_n = rest_n;
         sc->rest_nw = nw;
+        sc->rest_nzc = nzc;
         sc->rest_gpu = gpu;
         st->handoff = 1;
         pthread_cond_broadcast(&st->cv); /* an exit path may wait on cv too */
@@ -468,7 +495,9 @@ static int finish_handoff(fmc_stream *st)
     if (sc->rest_gpu) /* then nothing was sent: the whole round goes through the pipeline */
         rc = send_gpu_round(st, sc, sc->rest_n, nw, -1);
     else
-        rc = fmc_sendv_all(fd, sc->rest, sc->rest_n);
+        rc = sc->rest_nzc && stream_zc(st)
+                 ? fmc_sendv_zc(fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov), st->zc_pipe)
+                 : fmc_sendv_all(fd, sc->rest, sc->rest_n);
     pthread_mutex_lock(&st->mu);
     return end_round(st, sc, nw, rc);
 }
@@ -476,6 +505,12 @@ static int finish_handoff(fmc_stream *st)
 void *fmc_stream_send_main(void *arg)
 {
     fmc_stream *st = arg;
+    /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
+     * process (EPIPE is enough); a signal left pending on this thread dies with it. */
+    sigset_t pipe_signal;
+    sigemptyset(&pipe_signal);
+    sigaddset(&pipe_signal, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     pthread_mutex_lock(&st->mu);
     for (;;) {
         while (!st->handoff && !st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
