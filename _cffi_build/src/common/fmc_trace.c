@@ -3,7 +3,7 @@
  * read and a store (it must not change the timing it measures); the first `events` given to
  * fmc_trace_configure (default 1M) are kept.  At exit the array is written to <prefix>.<pid>,
  * one line per event: "time_ns thread event a b".  The Python side configures it from
- * FMC_TRACE_FILE and FMC_TRACE_EVENTS (flagcx_mc.config.trace_settings). */
+ * FMC_TRACE_FILE and FMC_TRACE_EVENTS (flagcx_mc.config.ProcessSettings). */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>

@@ -112,10 +112,8 @@ void fmc_tune_socket_opts(int fd, const fmc_options *opts)
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
-    if (fmc_socket_is_local(fd)) {
-        if (*opts->local_cc)
-            setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, opts->local_cc, (socklen_t)strlen(opts->local_cc));
-    }
+    if (*opts->local_cc && fmc_socket_is_local(fd))
+        setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, opts->local_cc, (socklen_t)strlen(opts->local_cc));
 }
 
 /* A port in [lo, hi], or -1 (error set) without random bytes. */
