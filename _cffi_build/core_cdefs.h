@@ -43,6 +43,10 @@ typedef struct {
     uint64_t vectors_served;       /* of which vector requests (many small slices in one) */
     uint64_t zero_copy_answers;    /* read answers sent from registered pages without a copy */
     uint64_t zero_copy_resets;     /* connections reset while such answers were unacknowledged */
+    uint64_t zero_copy_sends;      /* write payload runs this engine spliced into sockets */
+    uint64_t streams_cut;          /* data streams cut to stop a cancelled or late call */
+    uint64_t streams_reconnected;  /* of which connected again (their other calls sent again) */
+    uint64_t zero_copy_fences;     /* cut streams whose spliced payloads were taken back from the target */
 } fmc_stats;
 
 /* Successful synchronous transfer calls to one peer name, counted by the core as they return
@@ -124,6 +128,7 @@ int fmc_peer_set_regions(fmc_peer *peer, const uint64_t *addrs, const uint64_t *
 int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *base_out,
                          uint32_t *key_out);
 int fmc_peer_set_protocol(fmc_peer *peer, int proto);
+int fmc_peer_set_owner_pid(fmc_peer *peer, int pid);
 int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32_t *slots,
                               const uint32_t *gens, int n);
 int fmc_peer_enable_same_host(fmc_peer *peer, int pid, int ctrl_fd, uint64_t ctrl_addr);
@@ -148,6 +153,7 @@ int fmc_batch_wait_done(fmc_batch *batch, int64_t timeout_ms);
 int fmc_batch_poll(fmc_batch *batch);
 int fmc_batch_task_status(fmc_batch *batch, int index);
 int fmc_batch_cancel(fmc_batch *batch);
+int fmc_batch_cancel_tasks(fmc_batch *batch, int first, int count);
 void fmc_batch_free(fmc_batch *batch);
 int fmc_transfer(fmc_peer *peer, int opcode, int n, const uint64_t *local, const uint64_t *remote,
                  const uint64_t *lens, int64_t timeout_ms);

@@ -321,6 +321,11 @@ class CorePeer:
         """Speak Mooncake's TCP framing (``PROTO_MOONCAKE``) instead of ours; before ``connect``."""
         _raise_for(lib.fmc_peer_set_protocol(self._ptr, proto))
 
+    def set_owner_pid(self, pid: int) -> None:
+        """The peer's process id when it runs on this host (before ``connect``): zero-copy sends
+        to it are used only where the core can fence them through its end of the connection."""
+        _raise_for(lib.fmc_peer_set_owner_pid(self._ptr, pid))
+
     def set_region_slots(self, regions: Sequence[tuple[int, int, int]]) -> None:
         """(addr, slot, gen) of remote regions, for the same-host path."""
         n = len(regions)
@@ -467,7 +472,13 @@ class CoreBatch:
         return int(lib.fmc_batch_task_status(self._ptr, index))
 
     def cancel(self) -> None:
+        """Stop the batch; returns once nothing touches its buffers (its tasks end with the
+        timeout code).  Calls sharing a cut connection are sent again by the core."""
         lib.fmc_batch_cancel(self._ptr)
+
+    def cancel_tasks(self, first: int, count: int) -> None:
+        """``cancel`` of tasks ``[first, first + count)`` only (one call of a coalesced group)."""
+        _raise_for(lib.fmc_batch_cancel_tasks(self._ptr, first, count))
 
 
 _apply_process_settings()

@@ -169,7 +169,7 @@ def test_data_port_refuses_hostile_requests(core):
         ]
         for payload in cases:
             answer = _raw_data_conn(core, hello + payload)
-            assert answer[:16] == b"FMCNATOK" + struct.pack("<iI", 0, 0)
+            assert answer[:16] == b"FMCNATOK" + struct.pack("<iI", 0, 4)  # caps: fences (fmc_wire.h)
             ident, status, _, length = struct.unpack("<QiIQ", answer[16:40])
             assert (ident, status, length) == (1, -106, 0)
         # Oversized and truncated requests: the connection is dropped, nothing answered.

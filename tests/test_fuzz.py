@@ -48,7 +48,8 @@ MC_OK, MC_REJECTED = 0x4D43545600000000, 0x4D43545600000001
 REFUSED = -106
 PREAMBLE_VECTORS = 2             # fmc_wire.h: vectors, opcodes 3 (write) and 4 (read)
 PREAMBLE_READ_ACKS = 4           # fmc_wire.h: zero-copy read answers, acknowledged by opcode 5
-CAP_VECTORS, CAP_ZC_READS = 1, 2
+CAP_VECTORS, CAP_ZC_READS, CAP_FENCE = 1, 2, 4  # fmc_wire.h: the preamble answer's capabilities
+OP_NAME, OP_FENCE = 6, 7  # fmc_wire.h: name a connection (no answer); fence a named one (answered)
 ZERO_COPY = os.environ.get("FLAGCX_MC_ZEROCOPY", "1")[:1] != "0"
 # Every read here is far below the zero-copy threshold (128 KiB): no answer is flagged, nothing
 # is ever outstanding, so an acknowledgement (opcode 5) is always a protocol error.
@@ -138,7 +139,7 @@ def simulate(stream: bytes, regions: list[GuardedRegion], mooncake_wire: bool) -
         return _finish(exp)
     version, flags = struct.unpack_from("<II", stream, 8)
     vectors = version == 1 and bool(flags & PREAMBLE_VECTORS)
-    caps = (CAP_VECTORS if vectors else 0) | \
+    caps = (CAP_FENCE if version == 1 else 0) | (CAP_VECTORS if vectors else 0) | \
         (CAP_ZC_READS if version == 1 and flags & PREAMBLE_READ_ACKS and ZERO_COPY else 0)
     exp.answer(OK_MAGIC + struct.pack("<iI", 0 if version == 1 else REFUSED, caps))
     pos = exp.consumed = 16
@@ -152,6 +153,11 @@ def simulate(stream: bytes, regions: list[GuardedRegion], mooncake_wire: bool) -
             pos = _simulate_vector(stream, pos, regions, exp, op == 3, key, ident, addr, length)
             if pos < 0:
                 return _finish(exp)
+            continue
+        if op == OP_NAME:  # names the connection: no answer
+            continue
+        if op == OP_FENCE:  # no other connection has that name: answered at once
+            exp.answer(RESP.pack(ident, 0, 0, 0))
             continue
         if op not in (1, 2) or length == 0 or length > MAX_WIRE_LEN:
             return _finish(exp)  # protocol error: dropped, nothing answered for it
@@ -342,7 +348,7 @@ def native_request(draw, regions: list[GuardedRegion]) -> bytes:
     r = draw(st.sampled_from([regions[0], regions[0], regions[-1]]))  # mostly the writable one
     kind = draw(st.sampled_from(["valid"] * 3 + ["hostile"] * 2 + ["mutated"]))
     if kind == "hostile":
-        op = draw(st.sampled_from([1, 2] * 4 + [0, 3, 5, 0x81, 255]))
+        op = draw(st.sampled_from([1, 2] * 4 + [0, 3, 5, OP_NAME, OP_FENCE, 0x81, 255]))
         key = draw(st.sampled_from([r.key, r.key ^ 1, 0, regions[0].key, regions[-1].key]) | st.integers(0, 2**32 - 1))
         addr, length = _addr(draw, regions), _length(draw, regions)
     else:
@@ -471,8 +477,9 @@ def test_hostile_requests_are_refused_counted_and_logged_and_the_port_still_serv
     # A read with a wrong key is refused (answered, the connection stays), then a bad opcode drops
     # the connection; both are logged as well as counted.
     hostile = (HELLO + struct.pack("<II", 1, 0) + REQ.pack(2, 0, 0, r.key ^ 1, 9, r.addr, 8)
-               + REQ.pack(7, 0, 0, 0, 10, 0, 8))
-    assert exchange(target.core.data_port, hostile) == OK_MAGIC + bytes(8) + RESP.pack(9, REFUSED, 0, 0)
+               + REQ.pack(9, 0, 0, 0, 10, 0, 8))
+    ok = OK_MAGIC + struct.pack("<iI", 0, CAP_FENCE)
+    assert exchange(target.core.data_port, hostile) == ok + RESP.pack(9, REFUSED, 0, 0)
     log = target.core.drain_log()
     assert any("refused read" in line for line in log) and any("dropped" in line for line in log), log
     stats = target.core.stats()
@@ -483,7 +490,7 @@ def test_hostile_requests_are_refused_counted_and_logged_and_the_port_still_serv
     stream += REQ.pack(1, 0, 0, r.key, 7, r.addr + 5, 100) + b"w" * 100
     stream += REQ.pack(2, 0, 0, r.key, 8, r.addr + 5, 100)
     got = exchange(target.core.data_port, stream)
-    assert got == OK_MAGIC + bytes(8) + RESP.pack(7, 0, 0, 0) + RESP.pack(8, 0, 0, 100) + b"w" * 100
+    assert got == ok + RESP.pack(7, 0, 0, 0) + RESP.pack(8, 0, 0, 100) + b"w" * 100
     assert r.guards_intact()
     deadline = time.monotonic() + 5
     while target.core.stats()["server_connections"] and time.monotonic() < deadline:

@@ -336,6 +336,7 @@ typedef struct fmc_server_conn {
     int npins;
     int zc_pins;             /* of which held for unacknowledged zero-copy answers (likewise) */
     int cut;                 /* shut down by this engine (unregister, eviction, destroy; likewise) */
+    uint64_t token;          /* the initiator's name for it (fmc_wire.h's fences), 0: none; likewise */
     struct fmc_server_conn *prev, *next;
 } fmc_server_conn;
 
@@ -362,6 +363,7 @@ struct fmc_engine {
     uint8_t sh_slot_used[FMC_SH_MAX_SLOTS]; /* guarded by mu */
     atomic_uint_fast64_t stat_written_out, stat_read_in, stat_served_in, stat_served_out;
     atomic_uint_fast64_t stat_requests, stat_vectors, stat_zc_answers, stat_zc_resets;
+    atomic_uint_fast64_t stat_zc_sends, stat_streams_cut, stat_streams_reconnected, stat_zc_fences;
     atomic_uint_fast64_t stat_batches_ok, stat_batches_failed, stat_refused, stat_protocol_errors;
     atomic_uint_fast64_t next_batch_seq;
     fmc_options opts;         /* set at creation, never changed */
@@ -447,6 +449,7 @@ struct fmc_batch {
     uint64_t bytes;
     int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
     int32_t *task_remaining;
+    uint8_t *task_cancelled; /* fmc_batch_cancel_tasks: its slices end, innocent ones are sent again */
     fmc_slice *slices;
 };
 
@@ -484,10 +487,25 @@ typedef struct fmc_stream {
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
     int dead;
+    int restart;              /* cut by a cancel: reconnect and send the innocent slices again */
+    int reconnecting;         /* dead, but the sender is connecting again (slices may queue) */
+    uint64_t token;           /* this connection's name at the target, for fences (0: none) */
+    int target_fd;            /* the same-host target's fd of this connection, -1 unknown (fmc_zc_fence.c) */
     int threads_alive;
     int started;
     pthread_t send_thread, recv_thread;
 } fmc_stream;
+
+/* Reconnect a stream cut by a cancel (fmc_peer_connect.c), with the target told to let go of
+ * the old connection first; FMC_OK once the stream's socket is usable again. */
+int fmc_stream_reconnect(fmc_stream *st);
+/* Zero-copy fence (tcp/fmc_zc_fence.c): find the same-host target's end of each stream's socket
+ * (zero-copy sends are used only where it is found), and close a stream's socket taking back
+ * the spliced payloads its target has not read yet.  fmc_zc_fence_close: caller holds st->mu. */
+void fmc_zc_fence_attach(struct fmc_peer *p, fmc_stream *const *streams, int n);
+void fmc_zc_fence_close(fmc_stream *st);
+/* Mark every task of a batch cancelled (a call past its deadline). */
+void fmc_batch_mark_cancelled(struct fmc_batch *b);
 
 struct fmc_peer {
     fmc_engine *engine;
@@ -521,6 +539,8 @@ struct fmc_peer {
     pthread_mutex_t sh_mu;
     pthread_cond_t sh_cv;     /* a busy word came free */
     int connected, closed;
+    int connect_timeout_ms;   /* fmc_peer_connect's, for reconnecting a cut stream */
+    int owner_pid;            /* the peer's process when it runs on this host, else 0 */
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */
     atomic_int hot_stream;    /* the stream small batches prefer (see start_stream) */
@@ -557,7 +577,8 @@ void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
 int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms, int claim_recv, int *claimed);
 void fmc_stream_caller_receive(fmc_stream *st, struct fmc_batch *b, int64_t until_us);
-int fmc_batch_cancel_slices(fmc_batch *b);
+int fmc_slice_cancelled(const fmc_slice *s);
+void fmc_stream_cut(fmc_stream *st);
 void *fmc_stream_send_main(void *arg);
 void *fmc_stream_recv_main(void *arg);
 

@@ -284,7 +284,7 @@ class AsyncTransferEngine:
                 try:
                     rc, why = await joined[0]
                 except asyncio.CancelledError:
-                    await state.left_group(joined[1])
+                    await state.left_group(joined[1], joined[0])
                     raise
             if rc != 0:
                 session = await state.settle(target, req, session, rc, why)

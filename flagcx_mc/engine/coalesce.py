@@ -26,9 +26,10 @@ Each call's outcome is its own: the core keeps a status per task, so a group's f
 fails only the call it came from.  If the group cannot be started at all (one call's range is
 not registered on the peer, say), every call is started on its own instead, each meeting its
 own error.  A group's successes are counted together, the group's duration standing for each
-call's latency (the core counts calls, not groups).  A cancelled call returns once its group's
-batch has ended, as any cancelled transfer does; one cancelled before its group left is simply
-left out.
+call's latency (the core counts calls, not groups).  A cancelled call cancels its own tasks of
+the group's batch and returns once nothing touches its buffers any more; the other calls of the
+group go on (the core sends their slices again if they shared a connection it had to cut).  One
+cancelled before its group left is simply left out.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .._core import CoreBatch
 from .requests import SingleTransfer, TransferRequest
 from .sessions import Session
 
-__all__ = ["Coalescer", "finish_cancelled", "merge"]
+__all__ = ["Coalescer", "cancel_in_group", "merge"]
 
 # A group holds at most this much: a larger one gains nothing from more company, and the calls
 # of a group end together, so a small call should not wait behind megabytes.
@@ -64,7 +65,8 @@ Record = Callable[[str, int, int, int, float], None]
 
 
 class _Group:
-    __slots__ = ("session", "target", "opcode", "started", "calls", "bytes", "tasks", "sent", "ended")
+    __slots__ = ("session", "target", "opcode", "started", "calls", "bytes", "tasks", "sent", "ended", "batch",
+                 "sent_calls", "alone")
 
     def __init__(self, session: Session, target: str, opcode: int) -> None:
         self.session, self.target, self.opcode = session, target, opcode
@@ -73,6 +75,24 @@ class _Group:
         self.bytes = self.tasks = 0
         self.sent = False
         self.ended: asyncio.Future | None = None  # once sent: resolved when its batch has ended
+        self.batch: CoreBatch | None = None  # the batch of sent_calls, in their order, while in flight
+        self.sent_calls: list[tuple[Call, asyncio.Future]] = []
+        self.alone: dict[asyncio.Future, CoreBatch] = {}  # calls started one by one (a refused group)
+
+    def batch_of(self, future: asyncio.Future) -> tuple[CoreBatch, int, int] | None:
+        """The batch and task range ``(first, count)`` of the call awaiting ``future``; None when
+        it never reached the core or has ended there."""
+        alone = self.alone.get(future)
+        if alone is not None:
+            return alone, 0, alone.ntasks
+        if self.batch is None:
+            return None
+        first = 0
+        for req, waiting in self.sent_calls:
+            if waiting is future:
+                return self.batch, first, req.count
+            first += req.count
+        return None
 
 
 def merge(reqs: list[Call]) -> TransferRequest:
@@ -192,8 +212,10 @@ class Coalescer:
             _resolve(future, (rc, why))
             on_end()
             return
+        group.alone[future] = batch
 
         def done(waited: asyncio.Future) -> None:
+            group.alone.pop(future, None)
             outcome = waited.result()
             if outcome[0] == 0:
                 self._record(group.target, group.opcode, 1, req.total_bytes, time.perf_counter() - group.started)
@@ -227,8 +249,11 @@ class Coalescer:
                 _resolve(future, (0, ""))
             return
 
+        group.batch, group.sent_calls = batch, calls
+
         def done(waited: asyncio.Future) -> None:
             seconds = time.perf_counter() - group.started
+            group.batch = None
             on_end()
             ok_calls, ok_bytes = _resolve_each(calls, batch, waited.result(), merged.total_bytes)
             if ok_calls:
@@ -237,11 +262,15 @@ class Coalescer:
         self._wait(batch, self._deadline(merged.total_bytes)).add_done_callback(done)
 
 
-async def finish_cancelled(group: _Group) -> None:
-    """Returns once nothing more touches the buffers of a call of ``group`` whose awaiting task
-    was cancelled (at once if the group had not left yet: the call was left out)."""
-    if group.ended is not None:
-        await asyncio.shield(group.ended)
+def cancel_in_group(group: _Group, future: asyncio.Future) -> Callable[[], None] | None:
+    """What stops the call of ``group`` awaiting ``future`` (its task was cancelled): a blocking
+    cancel of its tasks in the core, returning once nothing touches its buffers; None when there
+    is nothing to stop (it was left out of the group, or has ended)."""
+    found = group.batch_of(future) if group.ended is not None and not group.ended.done() else None
+    if found is None:
+        return None
+    batch, first, count = found
+    return lambda: batch.cancel_tasks(first, count)
 
 
 def _resolve(future: asyncio.Future, outcome: Outcome) -> None:

@@ -145,6 +145,8 @@ class SessionCache:
         peer = CorePeer(self._core, host, data_port, self._config.streams_per_peer, self._config.slice_size)
         if desc.native is None:
             peer.set_protocol(PROTO_MOONCAKE)
+        elif desc.native.boot_id and desc.native.boot_id == boot_id():
+            peer.set_owner_pid(desc.native.pid)
         self._try_same_host(peer, desc)
         _set_regions(peer, desc, self._fallbacks_logged)
         return peer

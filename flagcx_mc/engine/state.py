@@ -29,7 +29,7 @@ from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
 from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
-from .coalesce import Coalescer, finish_cancelled
+from .coalesce import Coalescer, cancel_in_group
 from .completions import Completions
 from .managed import ManagedPool
 from .metrics import EngineMetrics
@@ -319,12 +319,12 @@ class EngineState:
         assert self._coalescer is not None
         return self._coalescer.join(target, session, req)
 
-    @staticmethod
-    async def left_group(group: Any) -> None:
-        """A call of ``group`` whose task was cancelled: returns once the group's batch has
-        ended (its deadline bounds it) rather than cancel it, since a cancel cuts the stream,
-        which would fail the other calls riding on it."""
-        await _finish(asyncio.ensure_future(finish_cancelled(group)))
+    async def left_group(self, group: Any, future: asyncio.Future) -> None:
+        """The call of ``group`` awaiting ``future`` was cancelled: cancel its own tasks of the
+        group's batch (the other calls go on) and return once nothing touches its buffers."""
+        stop = cancel_in_group(group, future)
+        if stop is not None:
+            await _finish(asyncio.get_running_loop().run_in_executor(self._executor, stop))
 
     async def transfer(self, target: str, req: TransferRequest | SingleTransfer, session: Session) -> tuple[int, str]:
         """A transfer call's first try on ``session`` that did not ``join`` a group:
@@ -336,9 +336,9 @@ class EngineState:
         ones in the executor.  A small call started on its own keeps the loop for up to
         ``LONE_POLL_US`` (none where the engine's ``spin_us`` is 0): its answer is then read here
         and the call costs no thread hop.  Calls that have not ended are awaited through
-        ``Completions``.  A cancelled call waits for its batch to end (done, or cancelled by the
-        poller at its deadline) before ``CancelledError`` propagates, so nothing touches either
-        side's buffers after it returns."""
+        ``Completions``.  A cancelled call cancels its batch in the core (which cuts the
+        connections carrying it) and waits for that before ``CancelledError`` propagates, so
+        nothing touches its buffers after it returns."""
         if session.same_host and req.total_bytes > INLINE_COPY_BYTES:
             return await self.run_blocking(req.run, session, self.config)  # the core counts a success
         started = time.perf_counter()
@@ -400,7 +400,10 @@ class EngineState:
         try:
             outcome = await asyncio.shield(future)  # (rc, why)
         except asyncio.CancelledError:
-            await _finish(future)  # the batch's end: its deadline bounds it
+            # Cut what carries it now rather than wait for its deadline; the cancel returns once
+            # nothing touches its buffers, and the poller then resolves the batch at once.
+            await _finish(asyncio.get_running_loop().run_in_executor(self._executor, batch.cancel))
+            await _finish(future)
             raise
         if outcome[0] == 0:  # batches ended by the poller are not counted by the core: count here
             self._record_calls(target, req.opcode, 1, req.total_bytes, time.perf_counter() - started)

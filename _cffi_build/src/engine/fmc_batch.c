@@ -19,6 +19,8 @@ static int finish_locked(fmc_batch *b, int t, int status)
         b->task_status[t] = FMC_OK;
     if (status != FMC_OK && b->first_error == FMC_OK)
         b->first_error = status;
+    if (b->task_remaining[t] == 0 && b->task_cancelled[t])
+        pthread_cond_broadcast(&b->cv); /* fmc_batch_cancel_tasks waits for the tasks it cancels */
     if (--b->outstanding != 0)
         return 0;
     fmc_engine *e = b->peer->engine;
@@ -149,7 +151,7 @@ static int same_host(fmc_peer *p, int opcode, int n, const uint64_t *local, cons
 
 static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
 {
-    size_t size = sizeof(fmc_batch) + (size_t)nslices * sizeof(fmc_slice) + (size_t)ntasks * 2 * sizeof(int32_t);
+    size_t size = sizeof(fmc_batch) + (size_t)nslices * sizeof(fmc_slice) + (size_t)ntasks * (2 * sizeof(int32_t) + 1);
     fmc_batch *b = calloc(1, size);
     if (!b)
         return NULL;
@@ -158,6 +160,7 @@ static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
     b->slices = (fmc_slice *)(b + 1);
     b->task_status = (int32_t *)(b->slices + nslices);
     b->task_remaining = b->task_status + ntasks;
+    b->task_cancelled = (uint8_t *)(b->task_remaining + ntasks);
     b->peer = p;
     atomic_fetch_add(&p->refs, 1);
     b->opcode = opcode;
@@ -391,12 +394,76 @@ int fmc_batch_task_status(fmc_batch *b, int index)
     return rc;
 }
 
-static int slice_list_has_batch(fmc_slice *s, fmc_batch *b)
+/* A slice of a task that was cancelled (read under its stream's lock; set under the batch's). */
+int fmc_slice_cancelled(const fmc_slice *s)
+{
+    return __atomic_load_n(&s->batch->task_cancelled[s->task], __ATOMIC_ACQUIRE);
+}
+
+static int list_has_cancelled(fmc_slice *s, fmc_batch *b)
 {
     for (; s; s = s->next)
-        if (s->batch == b)
+        if (s->batch == b && fmc_slice_cancelled(s))
             return 1;
     return 0;
+}
+
+/* Cancel tasks [first, first + count) of a batch: their unsent slices are taken back, and each
+ * stream carrying one of their slices on the wire is cut (fmc_stream_cut), which is the only way
+ * to stop a socket reading or writing their memory.  Other calls' slices on a cut stream are
+ * sent again once it has reconnected: one-sided writes and reads are idempotent.  Returns once
+ * no thread touches the cancelled tasks' memory; they end with FMC_ERR_TIMEOUT. */
+int fmc_batch_cancel_tasks(fmc_batch *b, int first, int count)
+{
+    if (first < 0 || count < 0 || first > b->ntasks || count > b->ntasks - first) {
+        fmc_set_error("tasks [%d, +%d) outside a batch of %d", first, count, b->ntasks);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    int any = 0;
+    pthread_mutex_lock(&b->mu);
+    for (int t = first; t < first + count; t++) {
+        if (b->task_remaining[t] > 0) {
+            __atomic_store_n(&b->task_cancelled[t], 1, __ATOMIC_RELEASE);
+            any = 1;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    if (!any)
+        return FMC_OK;
+    fmc_peer *p = b->peer;
+    for (int i = 0; i < p->nstreams; i++) {
+        fmc_stream *st = &p->streams[i];
+        fmc_slice_list removed = {0}, keep = {0};
+        pthread_mutex_lock(&st->mu);
+        /* Unsent slices are simply taken back. */
+        for (fmc_slice *s = st->pending.head, *next; s; s = next) {
+            next = s->next;
+            fmc_slice_list_push(s->batch == b && fmc_slice_cancelled(s) ? &removed : &keep, s);
+        }
+        st->pending = keep;
+        /* Slices on the wire may still read or write our memory: only cutting the stream stops
+         * that, and the stream's exit path then finishes them. */
+        int cut = list_has_cancelled(st->receiving.head, b) || list_has_cancelled(st->inflight.head, b) ||
+                  list_has_cancelled(st->answered.head, b); /* answered, but sendmsg still reads it */
+        pthread_mutex_unlock(&st->mu);
+        if (cut)
+            fmc_stream_cut(st);
+        fmc_slices_finish(removed.head, FMC_ERR_TIMEOUT);
+    }
+    pthread_mutex_lock(&b->mu);
+    for (int t = first; t < first + count; t++)
+        while (b->task_remaining[t] > 0)
+            pthread_cond_wait(&b->cv, &b->mu);
+    pthread_mutex_unlock(&b->mu);
+    return FMC_OK;
+}
+
+void fmc_batch_mark_cancelled(fmc_batch *b)
+{
+    pthread_mutex_lock(&b->mu);
+    for (int t = 0; t < b->ntasks; t++)
+        __atomic_store_n(&b->task_cancelled[t], 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&b->mu);
 }
 
 int fmc_batch_cancel(fmc_batch *b)
@@ -410,27 +477,7 @@ int fmc_batch_cancel(fmc_batch *b)
     if (b->first_error == FMC_OK)
         b->first_error = FMC_ERR_TIMEOUT;
     pthread_mutex_unlock(&b->mu);
-
-    fmc_peer *p = b->peer;
-    for (int i = 0; i < p->nstreams; i++) {
-        fmc_stream *st = &p->streams[i];
-        fmc_slice_list removed = {0}, keep = {0};
-        pthread_mutex_lock(&st->mu);
-        /* Unsent slices are simply taken back. */
-        for (fmc_slice *s = st->pending.head, *next; s; s = next) {
-            next = s->next;
-            fmc_slice_list_push(s->batch == b ? &removed : &keep, s);
-        }
-        st->pending = keep;
-        /* Slices on the wire may still read or write our memory: only cutting the stream stops
-         * that, and the stream's exit path then finishes them. */
-        int cut = slice_list_has_batch(st->receiving.head, b) || slice_list_has_batch(st->inflight.head, b) ||
-                  slice_list_has_batch(st->answered.head, b); /* answered, but sendmsg still reads it */
-        pthread_mutex_unlock(&st->mu);
-        if (cut)
-            fmc_stream_kill(st);
-        fmc_slices_finish(removed.head, FMC_ERR_TIMEOUT);
-    }
+    fmc_batch_cancel_tasks(b, 0, b->ntasks);
     pthread_mutex_lock(&b->mu);
     while (!b->finished)
         pthread_cond_wait(&b->cv, &b->mu);

@@ -170,6 +170,10 @@ void fmc_engine_get_stats(fmc_engine *e, fmc_stats *s)
     s->vectors_served = e->stat_vectors;
     s->zero_copy_answers = e->stat_zc_answers;
     s->zero_copy_resets = e->stat_zc_resets;
+    s->zero_copy_sends = e->stat_zc_sends;
+    s->streams_cut = e->stat_streams_cut;
+    s->streams_reconnected = e->stat_streams_reconnected;
+    s->zero_copy_fences = e->stat_zc_fences;
     pthread_mutex_lock(&e->mu);
     s->server_connections = (uint64_t)e->nconns;
     pthread_mutex_unlock(&e->mu);

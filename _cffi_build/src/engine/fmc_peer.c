@@ -53,6 +53,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         pthread_cond_init(&st->cv, NULL);
         st->wake_fd = -1;
         st->zc_pipe[0] = st->zc_pipe[1] = -1;
+        st->target_fd = -1;
     }
     *out = p;
     return FMC_OK;

@@ -533,7 +533,7 @@ static int handshake(fmc_conn_state *cs)
     pthread_mutex_lock(&cs->e->mu);
     secret = cs->e->secret;
     pthread_mutex_unlock(&cs->e->mu);
-    uint32_t caps = (flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0;
+    uint32_t caps = FMC_CAP_FENCE | ((flags & FMC_PREAMBLE_VECTORS) ? FMC_CAP_VECTORS : 0);
     if ((flags & FMC_PREAMBLE_READ_ACKS) && fmc_zc_enabled(cs->e) && fmc_socket_is_local(cs->c->fd))
         caps |= FMC_CAP_ZC_READS;
     uint8_t reply[FMC_PREAMBLE_SIZE] = {0};
@@ -842,6 +842,36 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
     return 0;
 }
 
+/* A fence (fmc_wire.h): shut the connection named `token` down and return once its thread has
+ * left it, i.e. stopped touching memory; FMC_OK, or FMC_ERR_TIMEOUT if it has not within
+ * FMC_FENCE_WAIT_MS (a thread blocked on a socket that was shut down leaves at once; one landing
+ * GPU copies, within their copy time). */
+#define FMC_FENCE_WAIT_MS 10000
+static int32_t fence(fmc_conn_state *cs, uint64_t token)
+{
+    fmc_engine *e = cs->e;
+    struct timespec until;
+    fmc_deadline_ts(FMC_FENCE_WAIT_MS, &until);
+    int rc = FMC_OK;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        fmc_server_conn *old = NULL;
+        for (fmc_server_conn *c = e->conns; c && token; c = c->next)
+            if (c != cs->c && c->token == token)
+                old = c;
+        if (!old)
+            break;
+        if (!old->cut)
+            fmc_server_conn_cut_locked(old);
+        if (pthread_cond_timedwait(&e->cv, &e->mu, &until) == ETIMEDOUT) {
+            rc = FMC_ERR_TIMEOUT;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
 static void serve(fmc_conn_state *cs)
 {
     fmc_engine *e = cs->e;
@@ -879,6 +909,18 @@ static void serve(fmc_conn_state *cs)
                                (unsigned long long)q.len, cs->ledger_count);
                 break;
             }
+            continue;
+        }
+        if (q.opcode == FMC_WIRE_OP_NAME) {
+            pthread_mutex_lock(&e->mu);
+            cs->c->token = q.addr;
+            pthread_mutex_unlock(&e->mu);
+            continue;
+        }
+        if (q.opcode == FMC_WIRE_OP_FENCE) {
+            queue_answer(cs, q.id, fence(cs, q.addr), NULL, 0);
+            if (flush(cs) < 0)
+                break;
             continue;
         }
         if (q.opcode == FMC_WIRE_OP_WRITEV || q.opcode == FMC_WIRE_OP_READV) {

@@ -38,11 +38,27 @@ static void wake_receiver(fmc_stream *st)
     }
 }
 
-/* Called by each stream thread as it leaves; the last one out fails whatever is left, which is
- * safe because neither thread can touch slice memory any more. */
-static void stream_thread_exit(fmc_stream *st)
+/* Split what a cut stream held: slices of cancelled tasks go to `gone`, the others (innocent
+ * calls that happened to share the stream) to `again`, in their order. */
+static void split_cancelled(fmc_slice_list *left, fmc_slice_list *gone, fmc_slice_list *again)
 {
-    fmc_slice_list left = {0};
+    for (fmc_slice *s = left->head, *next; s; s = next) {
+        next = s->next;
+        fmc_slice_list_push(fmc_slice_cancelled(s) ? gone : again, s);
+    }
+    left->head = left->tail = NULL;
+}
+
+/* Called by each stream thread as it leaves its connection.  The last one out closes the socket
+ * (after which neither thread can touch slice memory any more) and settles what the stream held:
+ * a stream cut by a cancel (fmc_stream_cut) keeps its innocent slices queued and reconnects, the
+ * cancelled ones end with FMC_ERR_TIMEOUT; a stream that broke fails everything.  Returns 1 if
+ * this thread carries on with the reconnected stream (the sender reconnects, see
+ * fmc_stream_send_main; the receiver waits for it), 0 if it ends. */
+static int stream_thread_exit(fmc_stream *st)
+{
+    fmc_slice_list left = {0}, gone = {0};
+    int status = FMC_ERR_SOCKET;
     pthread_mutex_lock(&st->mu);
     if (!st->dead) {
         st->dead = 1;
@@ -57,20 +73,69 @@ static void stream_thread_exit(fmc_stream *st)
         /* Neither thread uses the socket any more: close it now, abortively.  After shutdown()
          * the receiver drains what is queued and a plain close() then sends only a FIN while our
          * window stays shut, which leaves a target blocked in sendmsg (read answers) on a
-         * CLOSE-WAIT socket for minutes; the RST ends it at once.  kill/close read fd under mu. */
+         * CLOSE-WAIT socket for minutes; the RST ends it at once.  Spliced write payloads still
+         * queued at a same-host target are taken back first (fmc_zc_fence.c).  kill/close read
+         * fd under mu. */
         if (st->fd >= 0) {
-            struct linger lg = {.l_onoff = 1, .l_linger = 0};
-            setsockopt(st->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-            close(st->fd);
+            fmc_zc_fence_close(st);
             st->fd = -1;
         }
+        fmc_zc_pipe_close(st->zc_pipe); /* pages spliced into it and never sent */
         list_append(&left, &st->receiving);
         list_append(&left, &st->inflight);
         list_append(&left, &st->answered); /* empty in practice: the sender drains it */
         list_append(&left, &st->pending);
+        st->zc_owed = 0;
+        st->zc_ack_idle = 0;
+        if (st->restart && !__atomic_load_n(&st->peer->closed, __ATOMIC_ACQUIRE)) {
+            split_cancelled(&left, &gone, &st->pending);
+            st->reconnecting = 1;
+            status = FMC_ERR_TIMEOUT;
+        }
+        st->restart = 0;
+        pthread_cond_broadcast(&st->cv);
     }
+    while (st->threads_alive > 0) /* the other thread is still on the old connection */
+        pthread_cond_wait(&st->cv, &st->mu);
+    int carry_on = st->reconnecting;
+    pthread_mutex_unlock(&st->mu);
+    fmc_slices_finish(gone.head, FMC_ERR_TIMEOUT);
+    fmc_slices_finish(left.head, status);
+    return carry_on;
+}
+
+/* The sender, once both threads left a cut connection: connect again and let both threads carry
+ * on, or end the stream (its queued slices fail) if the peer cannot be reached in time or is
+ * being closed.  Returns 1 if the stream is alive again. */
+static int stream_come_back(fmc_stream *st)
+{
+    int alive = fmc_stream_reconnect(st) == FMC_OK;
+    fmc_slice_list left = {0};
+    pthread_mutex_lock(&st->mu);
+    st->reconnecting = 0;
+    if (alive) {
+        st->peer->engine->stat_streams_reconnected++;
+        st->threads_alive = 2;
+        if (st->pending.head)
+            wake_receiver(st);
+    } else {
+        list_append(&left, &st->pending);
+    }
+    pthread_cond_broadcast(&st->cv);
     pthread_mutex_unlock(&st->mu);
     fmc_slices_finish(left.head, FMC_ERR_SOCKET);
+    return alive;
+}
+
+/* The receiver, once both threads left a cut connection: 1 once the sender has connected again. */
+static int stream_wait_comeback(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    while (st->reconnecting)
+        pthread_cond_wait(&st->cv, &st->mu);
+    int alive = !st->dead;
+    pthread_mutex_unlock(&st->mu);
+    return alive;
 }
 
 static void kill_locked(fmc_stream *st)
@@ -89,6 +154,19 @@ void fmc_stream_kill(fmc_stream *st)
     pthread_mutex_unlock(&st->mu);
 }
 
+/* Cut the stream to stop its slices of cancelled tasks (fmc_batch_cancel_tasks) or of a call past
+ * its deadline: unlike a kill, the stream reconnects and sends the other slices it held again. */
+void fmc_stream_cut(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    if (!st->dead) {
+        st->restart = 1;
+        st->peer->engine->stat_streams_cut++;
+        kill_locked(st);
+    }
+    pthread_mutex_unlock(&st->mu);
+}
+
 /* Remember whether the batch now queued is bulk (see fmc_stream's recv_in). */
 static void note_batch_size(fmc_stream *st, const fmc_slice_list *list)
 {
@@ -99,7 +177,7 @@ static void note_batch_size(fmc_stream *st, const fmc_slice_list *list)
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
 {
     pthread_mutex_lock(&st->mu);
-    if (st->dead) {
+    if (st->dead && !st->reconnecting) {
         pthread_mutex_unlock(&st->mu);
         return FMC_ERR_SOCKET;
     }
@@ -189,10 +267,18 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
 }
 
 /* Zero-copy sends on this stream (fmc_splice.c): only within this host, where they save the
- * receiver's second copy.  Over a link that reorders and loses packets they measured twice the
+ * receiver's second copy, and only where a cut can take back what the target has not read
+ * (fmc_zc_fence.c).  Over a link that reorders and loses packets they measured twice the
  * spurious retransmissions of copied sends and up to a quarter less throughput (BENCHMARKS.md,
  * lossy links), for a copy the sender's CPU can afford at network rates. */
 static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enabled(st->peer->engine); }
+
+/* A run of payloads spliced (counted for the engine's stats). */
+static int send_zc(fmc_stream *st, int fd, struct iovec *iov, int n, const uint8_t *zc)
+{
+    st->peer->engine->stat_zc_sends++;
+    return fmc_sendv_zc(fd, iov, n, zc, st->zc_pipe);
+}
 
 /* A round's iovecs [from, to) leave: zero-copy where flagged, by the deadline where one is set. */
 static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_t deadline_ms)
@@ -205,7 +291,7 @@ static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_
         nzc += sc->zc[i];
     if (deadline_ms >= 0)
         return fmc_sendv_deadline(st->fd, iov, n, deadline_ms);
-    return nzc && stream_zc(st) ? fmc_sendv_zc(st->fd, iov, n, sc->zc + from, st->zc_pipe)
+    return nzc && stream_zc(st) ? send_zc(st, st->fd, iov, n, sc->zc + from)
                                 : fmc_sendv_all(st->fd, iov, n);
 }
 
@@ -496,7 +582,7 @@ static int finish_handoff(fmc_stream *st)
         rc = send_gpu_round(st, sc, sc->rest_n, nw, -1);
     else
         rc = sc->rest_nzc && stream_zc(st)
-                 ? fmc_sendv_zc(fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov), st->zc_pipe)
+                 ? send_zc(st, fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov))
                  : fmc_sendv_all(fd, sc->rest, sc->rest_n);
     pthread_mutex_lock(&st->mu);
     return end_round(st, sc, nw, rc);
@@ -511,29 +597,30 @@ void *fmc_stream_send_main(void *arg)
     sigemptyset(&pipe_signal);
     sigaddset(&pipe_signal, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
-    pthread_mutex_lock(&st->mu);
-    for (;;) {
-        while (!st->handoff && !st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
-            pthread_cond_wait(&st->cv, &st->mu);
-        if (st->handoff) { /* before leaving too: the round's slices are `sending` until it ends */
-            if (finish_handoff(st) < 0)
+    do {
+        pthread_mutex_lock(&st->mu);
+        for (;;) {
+            while (!st->handoff && !st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
+                pthread_cond_wait(&st->cv, &st->mu);
+            if (st->handoff) { /* before leaving too: the round's slices are `sending` until it ends */
+                if (finish_handoff(st) < 0)
+                    break;
+                continue;
+            }
+            if (st->dead)
                 break;
-            continue;
+            if (send_round(st, -1) < 0)
+                break;
         }
-        if (st->dead)
-            break;
-        if (send_round(st, -1) < 0)
-            break;
-    }
-    /* Dead from here on, before mu is let go: an inline round must not hand this thread its
-     * rest any more (send_round sees `dead`). */
-    if (!st->dead) {
-        st->dead = 1;
-        if (st->fd >= 0)
-            shutdown(st->fd, SHUT_RDWR);
-    }
-    pthread_mutex_unlock(&st->mu);
-    stream_thread_exit(st);
+        /* Dead from here on, before mu is let go: an inline round must not hand this thread its
+         * rest any more (send_round sees `dead`). */
+        if (!st->dead) {
+            st->dead = 1;
+            if (st->fd >= 0)
+                shutdown(st->fd, SHUT_RDWR);
+        }
+        pthread_mutex_unlock(&st->mu);
+    } while (stream_thread_exit(st) && stream_come_back(st));
     return NULL;
 }
 
@@ -547,10 +634,14 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
     *claimed = 0;
     pthread_mutex_lock(&st->mu);
     if (st->dead) {
+        int queued = st->reconnecting; /* sent once it is back */
+        if (queued)
+            list_append(&st->pending, list);
         pthread_mutex_unlock(&st->mu);
-        return FMC_ERR_SOCKET;
+        return queued ? FMC_OK : FMC_ERR_SOCKET;
     }
     int idle = !st->pending.head && !st->sending_active;
+    fmc_batch *b = list->head ? list->head->batch : NULL;
     note_batch_size(st, list);
     if (idle && claim_recv && st->recv_parked && !st->recv_in && !st->inflight.head && !st->caller_recv &&
         st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0)
@@ -565,7 +656,11 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
     if (st->pending.head)
         pthread_cond_signal(&st->cv);
     pthread_mutex_unlock(&st->mu);
-    if (rc < 0)
+    if (rc == -2 && b) {
+        fmc_batch_mark_cancelled(b); /* past the call's deadline: the others on it are sent again */
+        fmc_stream_cut(st);
+    }
+    else if (rc < 0)
         fmc_stream_kill(st);
     return rc == -2 ? FMC_ERR_TIMEOUT : FMC_OK; /* other failures surface through the slices */
 }
@@ -944,21 +1039,16 @@ static int receiver_park(fmc_stream *st)
     return alive;
 }
 
-/* Matches answers to in-flight slices, in order.  The answers already buffered are taken under
- * one hold of the stream lock and their slices finished together (one batch lock per run). */
-void *fmc_stream_recv_main(void *arg)
+/* The receiver on one connection, until it breaks or is cut.  On the way out every GPU piece has
+ * landed and every answered slice is finished. */
+static void receive_answers(fmc_stream *st, int proto, fmc_reader *rd, rx_ring *gpu)
 {
-    fmc_stream *st = arg;
-    int proto = st->peer->proto;
-    fmc_reader *rd = &st->rd;
     fmc_slice_list done = {0};
-    rx_ring gpu;
-    memset(&gpu, 0, sizeof gpu);
     for (;;) {
         fmc_resp a;
         int park = !answer_buffered(proto, rd);
         if (park)
-            land_all(st, &gpu, &done); /* before this thread may block */
+            land_all(st, gpu, &done); /* before this thread may block */
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         done.head = done.tail = NULL;
         if (park && !receiver_park(st))
@@ -994,7 +1084,7 @@ void *fmc_stream_recv_main(void *arg)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                int got = receive_vector(st, rd, &a, first, k, &gpu, &done);
+                int got = receive_vector(st, rd, &a, first, k, gpu, &done);
                 if (got < 0) {
                     log_bad_answer(st, "a vector answer that does not fit its request");
                     broken = 1; /* `receiving` stays set: the exit path fails it */
@@ -1036,7 +1126,7 @@ void *fmc_stream_recv_main(void *arg)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                int got = receive_payload(st, rd, s, &gpu, &done);
+                int got = receive_payload(st, rd, s, gpu, &done);
                 if (got < 0 || zc_answer_void(st, &a)) {
                     s->answer_status = FMC_ERR_SOCKET; /* a GPU landing finishes with this status */
                     broken = 1; /* `receiving` stays set: the exit path fails it */
@@ -1065,10 +1155,23 @@ void *fmc_stream_recv_main(void *arg)
         send_ack_if_due_locked(st);
         pthread_mutex_unlock(&st->mu);
     }
-    land_all(st, &gpu, &done); /* no copy may still run into a slice the exit path fails */
+    land_all(st, gpu, &done); /* no copy may still run into a slice the exit path fails */
+    fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
+}
+
+/* Matches answers to in-flight slices, in order.  The answers already buffered are taken under
+ * one hold of the stream lock and their slices finished together (one batch lock per run). */
+void *fmc_stream_recv_main(void *arg)
+{
+    fmc_stream *st = arg;
+    int proto = st->peer->proto;
+    fmc_reader *rd = &st->rd;
+    rx_ring gpu;
+    memset(&gpu, 0, sizeof gpu);
+    do {
+        receive_answers(st, proto, rd, &gpu);
+    } while (stream_thread_exit(st) && stream_wait_comeback(st));
     for (int i = 0; i < FMC_STAGE_DEPTH; i++)
         fmc_cuda_fence_free(&gpu.p[i].fence);
-    fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
-    stream_thread_exit(st);
     return NULL;
 }

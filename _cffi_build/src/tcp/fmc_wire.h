@@ -34,7 +34,15 @@
  * consumed since its last ack (every other field 0; ack requests get no answer).  After taking
  * a flagged payload, the initiator checks that the connection was not reset: a target that has
  * to cut a connection with unacknowledged answers (unregister, shutdown) resets it before the
- * regions are released, so bytes read after their region was released never count as a success. */
+ * regions are released, so bytes read after their region was released never count as a success.
+ *
+ * Fences (when the target's answer carries FMC_CAP_FENCE): an initiator names each connection
+ * with a request of opcode 6 (name), `addr` = a random 64-bit token, every other field 0, no
+ * answer.  When it cuts a connection (a cancelled call) and connects again, the new connection's
+ * first request after its name is opcode 7 (fence), `addr` = the cut connection's token: the
+ * target shuts that connection down and answers (id 0, status 0, len 0) only once its thread has
+ * stopped touching memory, so the calls sent again on the new connection land after anything
+ * the cut one still held. */
 #ifndef FMC_WIRE_H
 #define FMC_WIRE_H
 
@@ -54,10 +62,13 @@
 #define FMC_WIRE_OP_WRITEV 3
 #define FMC_WIRE_OP_READV 4
 #define FMC_WIRE_OP_ACK 5          /* zero-copy read answers consumed (see above) */
+#define FMC_WIRE_OP_NAME 6         /* this connection's token is `addr` (no answer) */
+#define FMC_WIRE_OP_FENCE 7        /* cut the connection named `addr`; answered once it is gone */
 #define FMC_PREAMBLE_VECTORS 2u    /* preamble flag: this initiator can send vectors */
 #define FMC_PREAMBLE_READ_ACKS 4u  /* preamble flag: this initiator acknowledges zero-copy answers */
 #define FMC_CAP_VECTORS 1u         /* preamble answer, last u32: this target takes vectors */
 #define FMC_CAP_ZC_READS 2u        /* preamble answer: read answers may be zero-copy (acks wanted) */
+#define FMC_CAP_FENCE 4u           /* preamble answer: this target takes names and fences */
 #define FMC_RESP_ZC 1u             /* answer flag: zero-copy payload, acknowledge it */
 #define FMC_VEC_MAX 256            /* entries in one vector */
 #define FMC_VEC_ENTRY_MAX (64u << 10) /* largest entry: bigger slices go alone (no gain, and a
