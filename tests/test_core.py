@@ -192,6 +192,45 @@ def test_data_port_refuses_hostile_requests(core):
         buf.close()
 
 
+def test_a_fence_answers_only_once_the_named_connection_has_let_go(core):
+    """The target side of a reconnect (fmc_wire.h's fences): connection A, named by a token, is
+    inside a write whose payload has not all come; connection B fences that token.  B's answer
+    comes only once A's thread has left it: A is shut down (its half-sent write never answered)
+    and what A delivered before is all that landed.  A fence naming nobody is answered at once."""
+    buf = HostBuffer(64 * 1024)
+    try:
+        buf.fill(0x00)
+        key = core.register(buf.addr, buf.size)
+        hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
+        ok = b"FMCNATOK" + struct.pack("<iI", 0, 4)
+        token = 0x5EED_0000_0000_0001
+
+        def control(op, value):
+            return struct.pack("<BBHIQQQ", op, 0, 0, 0, 0, value, 0)
+
+        a = socket.create_connection(("127.0.0.1", core.data_port), timeout=5)
+        a.sendall(hello + control(6, token) + struct.pack("<BBHIQQQ", 1, 0, 0, key, 1, buf.addr, buf.size)
+                  + b"\xab" * 1000)  # the rest of the payload never comes
+        assert a.recv(16) == ok
+        deadline = time.monotonic() + 5
+        while buf.read(0, 1000) != b"\xab" * 1000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert buf.read(0, 1000) == b"\xab" * 1000
+        with socket.create_connection(("127.0.0.1", core.data_port), timeout=5) as b:
+            b.sendall(hello + control(6, token + 1) + control(7, token))
+            answer = b.recv(16)
+            assert answer == ok
+            assert struct.unpack("<QiIQ", b.recv(24)) == (0, 0, 0, 0)
+            a.settimeout(2)
+            assert a.recv(64) == b""  # A was shut down before B was answered, its write unanswered
+            b.sendall(control(7, 0xDEAD))  # nobody has that name
+            assert struct.unpack("<QiIQ", b.recv(24)) == (0, 0, 0, 0)
+        a.close()
+        assert buf.read(1000, buf.size - 1000) == bytes(buf.size - 1000)
+    finally:
+        buf.close()
+
+
 def test_the_core_reads_no_environment():
     """Every setting reaches the C core from flagcx_mc.config (EngineConfig per engine,
     ProcessSettings per process), so no C source may read the environment itself."""

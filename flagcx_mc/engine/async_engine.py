@@ -357,7 +357,7 @@ class AsyncTransferEngine:
         pending = self._state.batches.get(batch_id)
         state = pending.batch.poll()
         if state == 0 and time.monotonic() > pending.deadline:
-            await self._in_executor(pending.batch.cancel)
+            await self._state.stop_in_core(pending.batch.cancel)
             self._state.batches.discard(batch_id)
             raise errors.TransferTimeoutError(f"batch {batch_id} to {pending.target} timed out")
         if state == 0:

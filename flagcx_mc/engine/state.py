@@ -29,6 +29,7 @@ from ..metadata.connect import open_store, parse_metadata_server
 from ..names import TransferNotify
 from ..net.addresses import format_host_port, parse_host_port
 from .batches import BatchTable
+from .cancels import Cancels
 from .coalesce import Coalescer, cancel_in_group
 from .completions import Completions
 from .managed import ManagedPool
@@ -82,6 +83,7 @@ class EngineState:
         self._managed: ManagedPool | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._completions: Completions | None = None
+        self._cancels: Cancels | None = None
         self._coalescer: Coalescer | None = None
         self._awaiting = 0  # transfers handed to the poller, not yet back
         self._poll_again_at = 0.0  # perf_counter() from which calls poll on the loop again
@@ -106,6 +108,7 @@ class EngineState:
         self.loop = loop
         self._executor = ThreadPoolExecutor(self.config.wait_threads, thread_name_prefix="flagcx-mc-wait")
         self._completions = Completions(loop, lambda: self._executor, self._batches_ended, self._wait_batch_end)
+        self._cancels = Cancels(loop, lambda: self._executor)
         self._coalescer = Coalescer(loop, self._start_one, self._start_group, self._hand_over, self._deadline,
                                     self._record_calls)
         low, high = self.config.data_port_range or self.config.rpc_port_range
@@ -324,7 +327,13 @@ class EngineState:
         group's batch (the other calls go on) and return once nothing touches its buffers."""
         stop = cancel_in_group(group, future)
         if stop is not None:
-            await _finish(asyncio.get_running_loop().run_in_executor(self._executor, stop))
+            await self.stop_in_core(stop)
+
+    async def stop_in_core(self, stop: Callable[[], Any]) -> None:
+        """Run a blocking cancel of the core (``CoreBatch.cancel``, ``cancel_tasks``) in turn with
+        the others (``Cancels``) and return once it has, even through further cancels."""
+        assert self._cancels is not None
+        await _finish(self._cancels.run(stop))
 
     async def transfer(self, target: str, req: TransferRequest | SingleTransfer, session: Session) -> tuple[int, str]:
         """A transfer call's first try on ``session`` that did not ``join`` a group:
@@ -402,7 +411,7 @@ class EngineState:
         except asyncio.CancelledError:
             # Cut what carries it now rather than wait for its deadline; the cancel returns once
             # nothing touches its buffers, and the poller then resolves the batch at once.
-            await _finish(asyncio.get_running_loop().run_in_executor(self._executor, batch.cancel))
+            await self.stop_in_core(batch.cancel)
             await _finish(future)
             raise
         if outcome[0] == 0:  # batches ended by the poller are not counted by the core: count here
@@ -430,7 +439,7 @@ class EngineState:
         except asyncio.CancelledError:
             for (batch, _), future in zip(waits, futures, strict=True):
                 if not future.done():
-                    await _finish(asyncio.ensure_future(self.run_blocking(batch.cancel)))
+                    await self.stop_in_core(batch.cancel)
                     await _finish(future)
             raise
         finally:

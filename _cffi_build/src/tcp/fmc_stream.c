@@ -68,7 +68,9 @@ static int stream_thread_exit(fmc_stream *st)
     pthread_cond_broadcast(&st->cv);
     wake_receiver(st);
     if (--st->threads_alive == 0) {
-        while (st->sending_active) /* an inline sender still in sendmsg: shutdown ends it soon */
+        /* An inline sender still in sendmsg, or a caller reading its own answers: shutdown ends
+         * either soon, and neither may find the socket closed (or reconnected) under it. */
+        while (st->sending_active || st->caller_recv)
             pthread_cond_wait(&st->cv, &st->mu);
         /* Neither thread uses the socket any more: close it now, abortively.  After shutdown()
          * the receiver drains what is queued and a plain close() then sends only a FIN while our
@@ -998,6 +1000,8 @@ void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
     st->caller_recv = 0;
     if (st->recv_parked && (st->inflight.head || st->recv_blind || got < 0))
         wake_receiver(st);
+    if (st->dead)
+        pthread_cond_broadcast(&st->cv); /* the exit path waits for the receive side */
     pthread_mutex_unlock(&st->mu);
 }
 
