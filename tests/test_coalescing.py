@@ -112,7 +112,7 @@ async def test_a_cancelled_call_leaves_its_group_intact():
         assert dst.read(10 * BLOCK, BLOCK) == bytes(BLOCK)  # left out before its group was sent
         # Call 7 was stopped mid-way: its block holds some, all or none of its own bytes, nothing else.
         landed, wanted = dst.read(7 * BLOCK, BLOCK), src.read(7 * BLOCK, BLOCK)
-        assert all(got in (0, want) for got, want in zip(landed, wanted))
+        assert all(got in (0, want) for got, want in zip(landed, wanted, strict=True))
         await eng.transfer_sync_write(name, src.addr, dst.addr, n * BLOCK)  # the engine goes on
         assert dst.read(0, n * BLOCK) == src.read(0, n * BLOCK)
 

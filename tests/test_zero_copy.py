@@ -73,14 +73,15 @@ def test_a_target_killed_mid_write_fails_the_call_without_sigpipe():
             try:
                 small = [[0, 0, victim.addr(0), 4096]]
                 assert initiator.call("transfer", op="write", target=victim.session, items=small)["rc"] == 0
-                items = [[0, i * 4 * MIB, victim.addr(0, i * 4 * MIB), 4 * MIB] for i in range(16)] * 8
+                # 2 GiB: long enough to be killed in, also on a 16-core host (tens of GB/s on loopback)
+                items = [[0, i * 4 * MIB, victim.addr(0, i * 4 * MIB), 4 * MIB] for i in range(16)] * 32
                 result = {}
                 def call(result=result, session=victim.session, items=items):
                     result.update(initiator.call("transfer", timeout=60, op="write", target=session, items=items))
 
                 caller = threading.Thread(target=call)
                 caller.start()
-                time.sleep(0.02 + 0.02 * attempt)
+                time.sleep(0.01 + 0.01 * attempt)
                 os.kill(victim.pid, signal.SIGKILL)
                 caller.join(60)
                 assert not caller.is_alive()

@@ -41,8 +41,18 @@ class Cancels:
             self._queue.append((stop, future))
             start, self._running = not self._running, True
         if start:
-            self._loop.run_in_executor(executor, self._drain)
+            try:
+                self._loop.run_in_executor(executor, self._drain)
+            except RuntimeError:  # the executor shut down: the engine is closing, which cancels it all
+                self._abandon()
         return future
+
+    def _abandon(self) -> None:
+        with self._lock:
+            queued, self._running = list(self._queue), False
+            self._queue.clear()
+        for _, future in queued:
+            _settle(future, None)
 
     def _drain(self) -> None:
         while True:

@@ -96,6 +96,13 @@ void fmc_zc_fence_attach(fmc_peer *p, fmc_stream *const *streams, int n)
         long fdn = strtol(ent->d_name, &end, 10);
         if (*end || end == ent->d_name || fdn < 0)
             continue;
+        /* Only its sockets are taken (briefly, to compare addresses): a process named by a
+         * descriptor from another pid namespace is then at most looked at, never disturbed. */
+        char link[64], target[32];
+        snprintf(link, sizeof link, "%s/%ld", path, fdn);
+        ssize_t tl = readlink(link, target, sizeof target - 1);
+        if (tl < 8 || memcmp(target, "socket:[", 8) != 0)
+            continue;
         int theirs = take_fd(pidfd, (int)fdn);
         if (theirs < 0)
             continue; /* not allowed (then no other fd is either), or gone meanwhile */
