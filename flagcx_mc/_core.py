@@ -396,6 +396,10 @@ class CorePeer:
     def healthy(self) -> bool:
         return bool(lib.fmc_peer_is_healthy(self._ptr))
 
+    def idle_ms(self) -> int:
+        """Milliseconds since its last transfer started; -1 while a batch of it is alive."""
+        return int(lib.fmc_peer_idle_ms(self._ptr))
+
     def transfer_packed(self, opcode: int, n: int, packed: bytes, timeout_ms: int) -> tuple[int, str]:
         """Submit and wait in one core call (GIL released); returns (rc, reason).  The three
         lists come as one pack3 buffer: no cffi views to build."""

@@ -192,6 +192,7 @@ class EngineProcess:
         except BaseException:
             self.kill()
             raise
+        self.init_reply: dict = info
         self.session: str = info["session"]
         self.pid: int = info["pid"]
         self.regions: list[list[int]] = info["regions"]

@@ -257,6 +257,7 @@ class EngineConfig:
 
     transfer_timeout: float = 30.0       # seconds, before the per-byte allowance
     handshake_timeout: float = 5.0       # seconds for one handshake round trip or data connect
+    idle_session_timeout: float = 120.0  # seconds unused after which a session's connections close; 0: never
     streams_per_peer: int = dataclasses.field(default_factory=default_streams)  # data connections per peer
     slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
     wait_threads: int = 64               # executor threads that wait for completions (async API)
@@ -298,6 +299,7 @@ class EngineConfig:
         own = {
             "transfer_timeout": _env_number("FLAGCX_MC_TRANSFER_TIMEOUT"),
             "handshake_timeout": _env_number("FLAGCX_MC_HANDSHAKE_TIMEOUT"),
+            "idle_session_timeout": _env_number("FLAGCX_MC_IDLE_SESSION_TIMEOUT"),
             "streams_per_peer": _env_number("FLAGCX_MC_STREAMS", int),
             "slice_size": _env_number("FLAGCX_MC_SLICE_SIZE", int),
             "wait_threads": _env_number("FLAGCX_MC_WAIT_THREADS", int),
@@ -343,6 +345,8 @@ class EngineConfig:
     def validate(self) -> None:
         if not self.transfer_timeout > 0 or not self.handshake_timeout > 0:
             raise InvalidArgumentError("timeouts must be positive")
+        if not (isinstance(self.idle_session_timeout, (int, float)) and self.idle_session_timeout >= 0):
+            raise InvalidArgumentError("idle_session_timeout must be 0 (never) or a positive number of seconds")
         if not 1 <= self.streams_per_peer <= 64:
             raise InvalidArgumentError("streams_per_peer must be in 1..64")
         if not (4 << 10) <= self.slice_size <= (64 << 20):

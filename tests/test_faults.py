@@ -12,12 +12,12 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 import pytest
+from support.nodes import free_rpc_port, pinned_node
 
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc._testing.node import NodeProcess
@@ -38,25 +38,6 @@ FAILURE_CODES = {
     "submit": {-1, -2},
     "small write": {ECONN, ETIMEOUT},
 }
-
-def pinned_node(rpc_port: int, regions: list[int]) -> NodeProcess:
-    """A node whose rpc port is pinned, so that a restarted target comes back under the same
-    session name ("host:port").  The data port stays random, as in life."""
-    return NodeProcess(regions=regions,
-                       config={"rpc_port_range": [rpc_port, rpc_port], "data_port_range": [15000, 17000]})
-
-
-def free_rpc_port() -> int:
-    """A free port outside Mooncake's random rpc range (so no other engine takes it meanwhile)."""
-    for port in range(20000 + os.getpid() % 5000, 30000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 20000..30000")
-
 
 def post(node: NodeProcess, cmd: str, **kwargs) -> None:
     """Send a command to a node without waiting for its answer."""

@@ -541,6 +541,7 @@ struct fmc_peer {
     int connected, closed;
     int connect_timeout_ms;   /* fmc_peer_connect's, for reconnecting a cut stream */
     int owner_pid;            /* the peer's process when it runs on this host, else 0 */
+    int64_t last_used_ms;     /* when its last transfer started (fmc_peer_idle_ms) */
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */
     atomic_int hot_stream;    /* the stream small batches prefer (see start_stream) */

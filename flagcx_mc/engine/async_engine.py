@@ -370,8 +370,11 @@ class AsyncTransferEngine:
     # ------------------------------------------------------------------ FlagCX-style low-level API
 
     async def get_conn(self, session_name: str) -> Session:
-        """The cached connection to a peer (handshakes on first use)."""
-        return await self._state.require_sessions().get(session_name)
+        """The cached connection to a peer (handshakes on first use).  The application holds
+        it, so it stays open however long it goes unused (``idle_session_timeout``)."""
+        session = await self._state.require_sessions().get(session_name)
+        session.pinned = True
+        return session
 
     def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:
         """The remote region and key that wholly hold [remote_addr, remote_addr + size)."""

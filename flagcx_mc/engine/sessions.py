@@ -5,6 +5,12 @@ round trip, or a metadata-server lookup: see resolvers.py) and opens its data st
 first transfers await the same task; different peers handshake concurrently.  A broken session is
 evicted and re-opened on next use; ``refresh`` re-reads the peer's region table (memory it
 registered after first contact).
+
+``sweep`` (once a second, from the engine's loop) closes sessions whose connections broke, so a
+peer that went away or restarted leaves no threads or sockets behind, and releases sessions
+unused for ``idle_session_timeout``: their connections close and the next call opens them
+again.  A call that raced a release (it took the session just before) finds it ``released`` and
+is sent again on a new session (``EngineState.settle``), so callers never see the release.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class Session:
     desc: SegmentDesc
     peer: CorePeer
     same_host: bool = False  # the peer's bytes move by process_vm_* here (fixed when the session opens)
+    released: bool = False  # closed by the sweep (idle, or broken): a call that still held it goes again
+    pinned: bool = False  # handed to the application (get_conn): never released for idleness
 
     def close(self) -> None:
         self.peer.close()
@@ -99,6 +107,24 @@ class SessionCache:
             del self._open[name]
             log.warning("session %s evicted: %s", name, reason)
         session.close()
+
+    def sweep(self, idle_timeout: float) -> list[Session]:
+        """Take out of the cache the sessions to close now: those whose connections broke, and
+        those unused for ``idle_timeout`` seconds (0: never) that no call holds.  The caller
+        closes them off the loop (closing joins the core's stream threads)."""
+        idle_ms = idle_timeout * 1000
+        gone = []
+        for name, session in list(self._open.items()):
+            if name in self._refreshing:
+                continue
+            broken = not session.peer.healthy
+            if not broken and (not idle_ms or session.pinned or session.peer.idle_ms() < idle_ms):
+                continue  # idle_ms() is -1 while a batch is alive
+            del self._open[name]
+            session.released = True
+            gone.append(session)
+            log.debug("session %s closed: %s", name, "its connections broke" if broken else "idle")
+        return gone
 
     async def close(self) -> None:
         for task in list(self._opening.values()) + list(self._refreshing.values()):

@@ -450,6 +450,9 @@ class EngineState:
         """A call's first try came back ``rc``: try once more on a refreshed region table when
         that can help (memory the peer registered since, or a stale address), then raise what is
         left.  Returns the session the call succeeded on."""
+        if session.released:  # the sweep closed it under the call: go again on a new session
+            session = await self.require_sessions().get(target)
+            rc, why = await self.run_blocking(req.run, session, self.config)
         if needs_refresh(rc):
             session = await self.require_sessions().refresh(target, session)
             rc, why = await self.run_blocking(req.run, session, self.config)
@@ -498,12 +501,22 @@ class EngineState:
         return self._managed.shared_mappings() if self._managed is not None else {}
 
     async def _drain_core_log(self) -> None:
+        """Once a second: the core's messages to the log, and the session sweep (sessions.py)."""
         while True:
             await asyncio.sleep(_LOG_DRAIN_INTERVAL)
             if self._core is None:
                 return
             for line in self._core.drain_log():
                 log.warning("%s: %s", self.session_name, line)
+            if self._sessions is not None:
+                gone = self._sessions.sweep(self.config.idle_session_timeout)
+                if gone:
+                    await _off_loop(asyncio.get_running_loop(), _close_all, gone)
+
+
+def _close_all(sessions: list[Session]) -> None:
+    for session in sessions:
+        session.close()
 
 
 async def _off_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

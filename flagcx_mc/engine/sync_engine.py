@@ -465,7 +465,9 @@ class TransferEngine:
     @_on_failure(None)
     def get_conn(self, session_name: str) -> Session:
         sessions = self._state.require_sessions()
-        return sessions.peek(session_name) or self._run(sessions.get(session_name))
+        session = sessions.peek(session_name) or self._run(sessions.get(session_name))
+        session.pinned = True  # the application holds it: never released for idleness
+        return session
 
     def make_desc(self, conn: Session, remote_addr: int, size: int) -> RemoteDesc:
         """Raises AddressNotRegisteredError when no remote region holds the range."""

@@ -68,6 +68,11 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--async", dest="async_calls", action="store_true",
                        help="only the async facade: calls/s beside the sync facade and asyncio.to_thread, 1/16/64 "
                             "coroutines, on asyncio's loop and uvloop (about a minute), with its targets")
+    bench.add_argument("--peers", metavar="COUNTS",
+                       help="only what many peers cost one process: for each count (e.g. 1,8,64,256), one engine "
+                            "writing 1 MiB to that many peers (out) and that many writing 1 MiB into it (in), the "
+                            "peers' engines hosted 32 to a process; aggregate GB/s and the measured process's "
+                            "threads, fds and RSS, Mooncake's beside")
     bench.add_argument("--link", metavar="SPEC",
                        help="run the TCP rows (tcp, mooncake-tcp) across two network namespaces over a shaped link, "
                             "held against plain TCP streams on the same link, with TCP counters per call: 'clean', "
@@ -101,6 +106,15 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _check_results(args.check, targets)
     if args.async_calls:
         return _run_async_bench(args.json, targets)
+    if args.peers:
+        try:
+            counts = [int(c) for c in args.peers.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or any(not 1 <= c <= 1024 for c in counts):
+            print("--peers takes counts of 1 to 1024, such as 1,8,64,256", file=sys.stderr)
+            return 2
+        return _run_peers_bench(counts, args.json, not args.no_mooncake, args.trials or 3)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -153,6 +167,32 @@ def _run_async_bench(json_path: str, targets) -> int:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=1))
     return verdict(result)
+
+
+def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: int) -> int:
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from ..config import usable_cpus
+    from .bench.peers import measure_peers, print_peers_report
+
+    engines = ["flagcx_mc"] + (["mooncake"] if mooncake and importlib.util.find_spec("mooncake") else [])
+    rows = []
+    for n in counts:
+        for direction in ("out", "in"):
+            for engine in engines:
+                row = measure_peers(engine, direction, n, 1 << 20, trials=trials)
+                print(f"{engine:<10} {direction:>3} {n:>4} peers: {row['gbps']:.2f} GB/s"
+                      + (f", error: {row['error']}" if row["error"] else ""), flush=True)
+                rows.append(row)
+    result: dict = {"peers": rows, "cpus": usable_cpus(), "targets": [], "errors": [],
+                    "verified": all(r["verified"] for r in rows)}
+    print_peers_report(rows, result["cpus"])
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    return 0 if result["verified"] else 1
 
 
 def _check_results(path: str, targets) -> int:

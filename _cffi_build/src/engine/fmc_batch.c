@@ -257,6 +257,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         fmc_set_error("connection to %s:%d is down", p->host, p->data_port);
         return FMC_ERR_SOCKET;
     }
+    __atomic_store_n(&p->last_used_ms, fmc_now_ms(), __ATOMIC_RELAXED);
     uint32_t *keys = malloc(sizeof *keys * (size_t)(n ? n : 1));
     if (!keys)
         return FMC_ERR_MEMORY;

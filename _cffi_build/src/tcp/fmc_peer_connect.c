@@ -168,6 +168,7 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
         return FMC_ERR_INVALID_ARGUMENT;
     }
     p->connect_timeout_ms = timeout_ms;
+    __atomic_store_n(&p->last_used_ms, fmc_now_ms(), __ATOMIC_RELAXED);
     int64_t deadline = fmc_now_ms() + timeout_ms;
     int fds[FMC_MAX_STREAMS];
     uint64_t tokens[FMC_MAX_STREAMS];
@@ -274,6 +275,18 @@ int fmc_peer_is_healthy(fmc_peer *p)
         ok = !__atomic_load_n(&p->streams[i].dead, __ATOMIC_ACQUIRE) ||
              __atomic_load_n(&p->streams[i].reconnecting, __ATOMIC_ACQUIRE);
     return ok;
+}
+
+/* How long the peer has gone unused: what the session cache's idle release asks (sessions.py).
+ * A batch holds a reference on its peer until it is freed, so any more references than the
+ * owner's mean a transfer in flight or not yet collected: busy, -1. */
+int64_t fmc_peer_idle_ms(fmc_peer *p)
+{
+    if (atomic_load(&p->refs) > 1)
+        return -1;
+    int64_t used = __atomic_load_n(&p->last_used_ms, __ATOMIC_RELAXED);
+    int64_t idle = fmc_now_ms() - used;
+    return idle > 0 ? idle : 0;
 }
 
 void fmc_peer_close(fmc_peer *p)
