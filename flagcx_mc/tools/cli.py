@@ -114,7 +114,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         if not counts or any(not 1 <= c <= 1024 for c in counts):
             print("--peers takes counts of 1 to 1024, such as 1,8,64,256", file=sys.stderr)
             return 2
-        return _run_peers_bench(counts, args.json, not args.no_mooncake, args.trials or 3)
+        return _run_peers_bench(counts, args.json, not args.no_mooncake, args.trials or 3, args.verbose)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -169,20 +169,26 @@ def _run_async_bench(json_path: str, targets) -> int:
     return verdict(result)
 
 
-def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: int) -> int:
+def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: int, verbose: bool) -> int:
+    import contextlib
     import importlib.util
     import json
+    import tempfile
     from pathlib import Path
 
     from ..config import usable_cpus
     from .bench.peers import measure_peers, print_peers_report
+    from .bench.runner import stderr_to
 
     engines = ["flagcx_mc"] + (["mooncake"] if mooncake and importlib.util.find_spec("mooncake") else [])
     rows = []
     for n in counts:
         for direction in ("out", "in"):
             for engine in engines:
-                row = measure_peers(engine, direction, n, 1 << 20, trials=trials)
+                with contextlib.ExitStack() as stack:
+                    log = None if verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
+                    with stderr_to(log):
+                        row = measure_peers(engine, direction, n, 1 << 20, trials=trials)
                 print(f"{engine:<10} {direction:>3} {n:>4} peers: {row['gbps']:.2f} GB/s"
                       + (f", error: {row['error']}" if row["error"] else ""), flush=True)
                 rows.append(row)

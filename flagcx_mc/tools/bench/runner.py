@@ -185,7 +185,7 @@ def _run_incast(running: list[Transport], opts: BenchOptions, net: _Net, progres
     for t in (t for t in running if t.name in LINK_TRANSPORTS):
         config = _engine_config(t, opts.streams) if t.engine == "flagcx_mc" else None
         env, launcher = _launch(t, opts)
-        with _stderr_to(log):
+        with stderr_to(log):
             row = measure_incast(t.engine, opts.incast, block, count, reps, opts.trials, net.link, config, env,
                                  launcher)
         row["transport"] = t.name
@@ -306,7 +306,7 @@ class _Progress:
 
 
 @contextlib.contextmanager
-def _stderr_to(log: IO[str] | None):
+def stderr_to(log: IO[str] | None):
     """Children started inside inherit ``log`` as their stderr (Mooncake's glog ignores its env knobs)."""
     if log is None:
         yield
@@ -344,7 +344,7 @@ def _start(t: Transport, opts: BenchOptions, log: IO[str] | None, net: _Net | No
     where: tuple[dict, dict] = ({"argv_prefix": target_prefix + launcher}, {"argv_prefix": initiator_prefix + launcher})
     if net is not None:
         where[0]["host"], where[1]["host"] = net.link.target_addr, net.link.initiator_addr
-    with _stderr_to(log):
+    with stderr_to(log):
         target = WorkerProcess(engine=t.engine, size=size, memory=t.target_memory or t.memory, config=config,
                                env=env, **where[0])
         try:
