@@ -128,6 +128,11 @@ int fmc_peer_set_regions(fmc_peer *peer, const uint64_t *addrs, const uint64_t *
 int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *base_out,
                          uint32_t *key_out);
 int fmc_peer_set_protocol(fmc_peer *peer, int proto);
+/* The process's serve pool (inbound data connections of every engine): at most n threads
+ * (0: twice the CPUs this process may use, at least 4); before the first engine takes a
+ * connection.  fmc_serve_pool_counts: its threads now and its cap. */
+int fmc_serve_pool_set_threads(int n);
+void fmc_serve_pool_counts(int *workers, int *cap);
 int fmc_peer_set_owner_pid(fmc_peer *peer, int pid);
 int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32_t *slots,
                               const uint32_t *gens, int n);

@@ -47,6 +47,14 @@ def _apply_process_settings() -> None:
         log.warning("FLAGCX_MC_LIBCUDA=%r not used: %s", settings.cuda_driver, last_error())
     if settings.trace_file and lib.fmc_trace_configure(settings.trace_file.encode(), settings.trace_events) == 0:
         log.info("the core's event trace goes to %s.<pid>", settings.trace_file)
+    lib.fmc_serve_pool_set_threads(settings.serve_threads)
+
+
+def serve_pool() -> tuple[int, int]:
+    """(threads, cap) of the process's pool that serves inbound data connections."""
+    workers, cap = ffi.new("int *"), ffi.new("int *")
+    lib.fmc_serve_pool_counts(workers, cap)
+    return int(workers[0]), int(cap[0])
 
 
 def core_version() -> str:

@@ -67,6 +67,10 @@ void fmc_cond_init_monotonic(pthread_cond_t *cv);
 /* n bytes from the kernel's generator (common/fmc_random.c); -1 with the error set if it fails:
  * callers fail too, never going on with predictable or uninitialised bytes. */
 int fmc_random_bytes(void *p, size_t n);
+int fmc_usable_cpus(void); /* CPUs this process may run on (common/fmc_util.c) */
+/* The process's serve pool of inbound data connections (tcp/fmc_serve_pool.c), made with the
+ * first engine: its core threads and epoll set exist from then on, idle. */
+int fmc_serve_pool_start(void);
 
 /* Buffered reader over a blocking socket: headers and small payloads come from one recv. */
 typedef struct {
@@ -96,7 +100,14 @@ int fmc_reader_skip(fmc_reader *r, size_t n);
  * kernel refused some of the destination; the rest of the n bytes were read and dropped, so the
  * stream stays in step (bytes of the destination may have changed).  -1: broken connection. */
 #define FMC_READ_REFUSED 1
+#define FMC_READ_PARKED 2 /* fmc_reader_read_region_some: the payload stalled, part of it landed */
+/* Blocking reads of a reader wait this long for a byte before failing, also on a socket whose
+ * receive timeout is shorter (the target's serve pool; see keep_waiting in fmc_util.c). */
+#define FMC_STALL_MS 10000
 int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n);
+/* The same, except that a payload that stops coming for the socket's receive timeout returns
+ * FMC_READ_PARKED with *landed bytes in place (so far); call again for the rest. */
+int fmc_reader_read_region_some(fmc_reader *r, void *dst, size_t n, size_t *landed);
 /* The iovecs in order (up to FMC_IOV_MAX, not consumed; entries that continue one another are
  * read as one range), into registered memory: refused[i] = 1 for entries the kernel refused
  * (their bytes dropped), the others land.  0, or -1 on a broken connection. */
@@ -337,6 +348,9 @@ typedef struct fmc_server_conn {
     int zc_pins;             /* of which held for unacknowledged zero-copy answers (likewise) */
     int cut;                 /* shut down by this engine (unregister, eviction, destroy; likewise) */
     uint64_t token;          /* the initiator's name for it (fmc_wire.h's fences), 0: none; likewise */
+    int handshaken;          /* its preamble was answered (likewise); fmc_server_accept_main drops
+                              * connections that stay silent for FMC_PREAMBLE_TIMEOUT_MS */
+    int64_t born_ms;
     struct fmc_server_conn *prev, *next;
 } fmc_server_conn;
 

@@ -2,6 +2,7 @@
  * other module. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -96,8 +97,23 @@ static void reader_compact(fmc_reader *r)
     r->end = n;
 }
 
+/* A blocking recv of the reader that gave up with EAGAIN (a target's connection has a short
+ * receive timeout, so that the serve pool can park a write whose payload stalls, see
+ * fmc_reader_read_region_some) is tried again until FMC_STALL_MS pass without a byte; *since
+ * is when the stall began (0: not stalled). */
+static int keep_waiting(int64_t *since)
+{
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+        return 0;
+    int64_t now = fmc_now_ms();
+    if (!*since)
+        *since = now;
+    return now - *since < FMC_STALL_MS;
+}
+
 int fmc_reader_fill(fmc_reader *r, size_t n)
 {
+    int64_t since = 0;
     if (n > r->cap)
         return -1;
     if (r->end - r->start >= n)
@@ -108,7 +124,8 @@ int fmc_reader_fill(fmc_reader *r, size_t n)
         ssize_t got = recv(r->fd, r->buf + r->end, reader_room(r, n - (r->end - r->start)), 0);
         if (got > 0) {
             r->end += (size_t)got;
-        } else if (got < 0 && errno == EINTR) {
+            since = 0;
+        } else if (got < 0 && (errno == EINTR || keep_waiting(&since))) {
             continue;
         } else {
             return -1;
@@ -144,10 +161,21 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
         memcpy(dst, r->buf + r->start, take);
         r->start += take;
     }
-    if (take == n)
-        return 0;
     /* The rest is large or not here yet: read it straight into place. */
-    return fmc_recv_all(r->fd, (uint8_t *)dst + take, n - take);
+    uint8_t *p = (uint8_t *)dst + take;
+    size_t left = n - take;
+    int64_t since = 0;
+    while (left) {
+        ssize_t got = recv(r->fd, p, left, MSG_WAITALL);
+        if (got > 0) {
+            p += got;
+            left -= (size_t)got;
+            since = 0;
+        } else if (!(got < 0 && (errno == EINTR || keep_waiting(&since)))) {
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* ---------------------------------------------- checked copies into registered memory */
@@ -180,7 +208,9 @@ static int refuse_rest(fmc_reader *r, size_t n)
     return fmc_reader_skip(r, n) < 0 ? -1 : FMC_READ_REFUSED;
 }
 
-int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n)
+/* read_region, and read_region_some when `parked` is given: then a wait for the payload that
+ * gives up (the socket's receive timeout) returns FMC_READ_PARKED with *parked bytes landed. */
+static int read_region(fmc_reader *r, void *dst, size_t n, size_t *parked)
 {
     size_t have = r->end - r->start;
     size_t take = have < n ? have : n;
@@ -192,12 +222,17 @@ int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n)
     }
     uint8_t *p = (uint8_t *)dst + take;
     size_t left = n - take;
+    int64_t since = 0;
     while (left) {
         ssize_t got = recv(r->fd, p, left, MSG_WAITALL);
         if (got > 0) {
             p += got;
             left -= (size_t)got;
-        } else if (got < 0 && errno == EINTR) {
+            since = 0;
+        } else if (got < 0 && parked && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            *parked = n - left;
+            return FMC_READ_PARKED;
+        } else if (got < 0 && (errno == EINTR || keep_waiting(&since))) {
             continue;
         } else if (got < 0 && errno == EFAULT) {
             /* TCP leaves bytes it could not copy in the socket (ones copied into the writable
@@ -208,6 +243,14 @@ int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n)
         }
     }
     return 0;
+}
+
+int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n) { return read_region(r, dst, n, NULL); }
+
+int fmc_reader_read_region_some(fmc_reader *r, void *dst, size_t n, size_t *landed)
+{
+    *landed = n;
+    return read_region(r, dst, n, landed);
 }
 
 /* Read `want` bytes into the iovecs (consumed): the buffered ones with one checked copy, the
@@ -248,12 +291,14 @@ static int read_iov_until_refused(fmc_reader *r, struct iovec *iov, int iovcnt, 
     }
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
+    int64_t since = 0;
     while (iovcnt > 0) {
         msg.msg_iov = iov;
         msg.msg_iovlen = (size_t)(iovcnt < FMC_IOV_MAX ? iovcnt : FMC_IOV_MAX);
         ssize_t got = recvmsg(r->fd, &msg, MSG_WAITALL);
-        if (got < 0 && errno == EINTR)
+        if (got < 0 && (errno == EINTR || keep_waiting(&since)))
             continue;
+        since = 0;
         if (got < 0 && errno == EFAULT)
             return FMC_READ_REFUSED;
         if (got <= 0)
@@ -307,13 +352,15 @@ int fmc_reader_read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, 
 
 int fmc_reader_skip(fmc_reader *r, size_t n)
 {
+    int64_t since = 0;
     while (n) {
         size_t have = r->end - r->start;
         if (have == 0) {
             r->start = r->end = 0;
             ssize_t got = recv(r->fd, r->buf, r->cap, 0);
-            if (got < 0 && errno == EINTR)
+            if (got < 0 && (errno == EINTR || keep_waiting(&since)))
                 continue;
+            since = 0;
             if (got <= 0)
                 return -1;
             r->end = (size_t)got;
@@ -439,4 +486,14 @@ int fmc_recv_all(int fd, void *buf, size_t len)
         }
     }
     return 0;
+}
+
+/* CPUs this process may run on (its affinity mask, else the online ones). */
+int fmc_usable_cpus(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? (int)online : 1;
 }

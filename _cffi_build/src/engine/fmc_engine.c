@@ -20,16 +20,6 @@
 const char *fmc_version(void) { return FMC_VERSION; }
 int fmc_data_header_size(void) { return FMC_REQ_SIZE; }
 
-/* CPUs this process may run on (its affinity mask, else the online ones). */
-static int usable_cores(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        return CPU_COUNT(&set);
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    return online > 0 ? (int)online : 1;
-}
-
 void fmc_options_default(fmc_options *o)
 {
     memset(o, 0, sizeof *o);
@@ -69,7 +59,7 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
         fmc_options_default(&e->opts);
     e->opts.local_cc[sizeof e->opts.local_cc - 1] = '\0';
     e->opts.spin_us = e->opts.spin_us < 0 ? 0 : e->opts.spin_us > 10000 ? 10000 : e->opts.spin_us;
-    e->cores = usable_cores();
+    e->cores = fmc_usable_cpus();
     if (e->opts.copy_threads <= 0)
         e->opts.copy_threads = e->cores;
     if (e->opts.copy_threads > FMC_SH_WORDS_PER_PEER)
@@ -83,7 +73,7 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
     }
     e->listen_fd = fd;
     fmc_tcp_timers_early(fd, &e->opts); /* inherited by every accepted connection */
-    if (pipe2(e->wake_pipe, O_CLOEXEC) != 0 ||
+    if (fmc_serve_pool_start() != FMC_OK || pipe2(e->wake_pipe, O_CLOEXEC) != 0 ||
         pthread_create(&e->accept_thread, NULL, fmc_server_accept_main, e) != 0) {
         fmc_set_error("cannot start the data listener thread: %s", strerror(errno));
         close(fd);

@@ -1,5 +1,6 @@
-/* Target side of the native data plane: one accept thread, one thread per inbound connection.
- * Every request is checked against the registry (range and key) before a byte is touched;
+/* Target side of the native data plane: one accept thread per engine; inbound connections are
+ * served by the process's serve pool (fmc_serve_pool.c), one worker at a time per connection
+ * while it has input (Mooncake's framing keeps a thread per connection).  Every request is checked against the registry (range and key) before a byte is touched;
  * writes go straight into registered memory and are answered after they land; reads are sent
  * straight from registered memory.  Answers are gathered and flushed when the input runs dry. */
 #define _GNU_SOURCE
@@ -18,6 +19,18 @@
 
 #define FMC_MAX_SERVER_CONNS 4096
 #define FMC_PREAMBLE_TIMEOUT_MS 5000
+/* A served connection's receive timeout: a write's payload that stops coming for this long is
+ * parked (receive_host_write) and its worker freed.  Other blocking reads within a request wait
+ * on, up to FMC_STALL_MS without a byte (fmc_util.c), and so do sends of answers (SO_SNDTIMEO):
+ * then the connection is dropped. */
+#define FMC_PARK_MS 50
+
+static void set_served_timeouts(int fd)
+{
+    struct timeval park = {.tv_usec = FMC_PARK_MS * 1000}, stall = {.tv_sec = FMC_STALL_MS / 1000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &park, sizeof park);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stall, sizeof stall);
+}
 
 /* Regions are pinned (refs, under the engine lock) while a request touches them; unregister waits
  * for refs to drop.  Taking the lock twice per request made four streams of 4 KiB writes queue on
@@ -487,7 +500,7 @@ static void refuse_protected(fmc_conn_state *cs, uint64_t addr, uint64_t len)
                    (unsigned long long)len, (unsigned long long)addr);
 }
 
-enum { WIRE_NATIVE = 0, WIRE_MOONCAKE = 1 };
+enum { WIRE_NATIVE = 1, WIRE_MOONCAKE = 2 };
 
 /* An initiator that sends vectors gets small reads: a vector's payloads then stay in the socket
  * until their destinations are known, and go there with one recvmsg. */
@@ -553,7 +566,7 @@ static int handshake(fmc_conn_state *cs)
                                                         : "no shared secret offered");
             return -1;
         }
-        fmc_set_recv_timeout(cs->c->fd, 0);
+        set_served_timeouts(cs->c->fd);
         use_vectors(cs, caps);
         return WIRE_NATIVE;
     }
@@ -561,7 +574,7 @@ static int handshake(fmc_conn_state *cs)
     fmc_put32(reply + 12, ok ? caps : 0);
     if (fmc_send_all(cs->c->fd, reply, sizeof reply) < 0 || !ok)
         return -1;
-    fmc_set_recv_timeout(cs->c->fd, 0);
+    set_served_timeouts(cs->c->fd);
     use_vectors(cs, caps);
     return WIRE_NATIVE;
 }
@@ -872,17 +885,88 @@ static int32_t fence(fmc_conn_state *cs, uint64_t token)
     return rc;
 }
 
-static void serve(fmc_conn_state *cs)
+enum { SERVE_YIELD, SERVE_DONE, SERVE_MOONCAKE };
+
+/* The first bytes of a connection: wait (without a worker) until the preamble, or what tells
+ * Mooncake's framing, has come; then the handshake.  SERVE_YIELD while they have not. */
+static int first_bytes(fmc_conn_state *cs)
 {
-    fmc_engine *e = cs->e;
+    if (fmc_reader_try_more(&cs->rd) < 0)
+        return SERVE_DONE;
+    size_t have = fmc_reader_buffered(&cs->rd);
+    int native = have >= 8 && memcmp(cs->rd.buf + cs->rd.start, FMC_MAGIC_HELLO, 8) == 0;
+    if (have < 8 || (native && have < FMC_PREAMBLE_SIZE))
+        return SERVE_YIELD; /* a connection that stays silent is dropped by the accept thread */
     int wire = handshake(cs);
     if (wire < 0) {
-        e->stat_protocol_errors++;
-        return;
+        cs->e->stat_protocol_errors++;
+        return SERVE_DONE;
     }
-    if (wire == WIRE_MOONCAKE) {
-        fmc_mc_serve(cs);
-        return;
+    pthread_mutex_lock(&cs->e->mu);
+    cs->c->handshaken = 1;
+    pthread_mutex_unlock(&cs->e->mu);
+    cs->wire = wire;
+    return wire == WIRE_MOONCAKE ? SERVE_MOONCAKE : SERVE_YIELD;
+}
+
+/* A write's payload into host memory, then its answer.  The connection's receive timeout is
+ * short (FMC_PARK_MS): a payload that stops coming is *parked* (1): what landed stays, the region
+ * stays pinned, and the connection goes back to the pool's set until more comes, so a stalled
+ * initiator holds no thread; resumed from `landed`.  A payload that moves no byte for
+ * FMC_STALL_MS ends the connection (-1).  0: answered. */
+static int receive_host_write(fmc_conn_state *cs, fmc_region *r, uint64_t id, uint64_t addr, uint64_t len,
+                              uint64_t landed)
+{
+    size_t got = 0;
+    int rc = fmc_reader_read_region_some(&cs->rd, (void *)(uintptr_t)(addr + landed), (size_t)(len - landed), &got);
+    if (rc == FMC_READ_PARKED) {
+        int64_t now = fmc_now_ms();
+        int moved = got > 0 || !cs->parked.r;
+        if (moved || now - cs->parked.since < FMC_STALL_MS) {
+            cs->parked.r = r;
+            cs->parked.id = id;
+            cs->parked.addr = addr;
+            cs->parked.len = len;
+            cs->parked.landed = landed + got;
+            if (moved)
+                cs->parked.since = now;
+            return 1;
+        }
+        rc = -1;
+    }
+    cs->parked.r = NULL;
+    unpin(cs, r);
+    if (rc < 0)
+        return -1;
+    if (rc == FMC_READ_REFUSED) {
+        refuse_protected(cs, addr, len);
+        queue_answer(cs, id, FMC_ERR_REMOTE_REFUSED, NULL, 0);
+        return 0;
+    }
+    cs->served_in += len;
+    queue_answer(cs, id, FMC_OK, NULL, 0);
+    return 0;
+}
+
+/* Serve requests until the input runs dry (SERVE_YIELD: answers flushed, GPU pieces landed) or
+ * the connection ends (SERVE_DONE). */
+static int serve_some(fmc_conn_state *cs)
+{
+    fmc_engine *e = cs->e;
+    if (!cs->wire) {
+        int first = first_bytes(cs);
+        if (first != SERVE_YIELD || !cs->wire)
+            return first;
+    }
+    if (cs->parked.r) { /* a write whose payload stalled: its rest first */
+        int rc = receive_host_write(cs, cs->parked.r, cs->parked.id, cs->parked.addr, cs->parked.len,
+                                    cs->parked.landed);
+        if (rc == 1)
+            return flush(cs) < 0 ? SERVE_DONE : SERVE_YIELD;
+        if (rc < 0) {
+            flush(cs);
+            return SERVE_DONE;
+        }
     }
     while (!cs->broken) {
         if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
@@ -890,9 +974,10 @@ static void serve(fmc_conn_state *cs)
             if (more < 0)
                 break;
             if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
-                if (flush(cs) < 0 || spin_for_more(cs->e, &cs->rd, FMC_REQ_SIZE, cs->last_len) < 0 ||
-                    fmc_reader_fill(&cs->rd, FMC_REQ_SIZE) < 0)
+                if (flush(cs) < 0 || spin_for_more(cs->e, &cs->rd, FMC_REQ_SIZE, cs->last_len) < 0)
                     break;
+                if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE)
+                    return SERVE_YIELD; /* back to the pool's set until more comes */
             }
             /* Stamped when the socket is read, not per request: a busy connection passes here
              * often enough for eviction's half-second idleness test. */
@@ -951,15 +1036,15 @@ static void serve(fmc_conn_state *cs)
                     break;
                 rc = 1; /* answered when its copy lands */
             } else if (r) {
-                rc = fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)q.addr, (size_t)q.len);
-                unpin(cs, r);
-                if (rc == 0)
-                    cs->served_in += q.len;
-                if (rc == FMC_READ_REFUSED) {
-                    refuse_protected(cs, q.addr, q.len);
-                    r = NULL; /* answered as refused */
-                    rc = 0;
+                rc = receive_host_write(cs, r, q.id, q.addr, q.len, 0);
+                if (rc < 0)
+                    break;
+                if (rc == 1) { /* parked */
+                    if (flush(cs) < 0)
+                        break;
+                    return SERVE_YIELD;
                 }
+                rc = 1; /* answered */
             } else {
                 refuse(cs, &q);
                 rc = fmc_reader_skip(&cs->rd, (size_t)q.len);
@@ -984,19 +1069,20 @@ static void serve(fmc_conn_state *cs)
         }
     }
     flush(cs); /* best effort: a peer that only half-closed still reads its answers; releases pins */
+    return SERVE_DONE;
 }
 
 void fmc_server_conn_cut_locked(fmc_server_conn *c)
 {
     c->cut = 1;
-    shutdown(c->fd, SHUT_RDWR); /* fd -1 once closed early (conn_main): nothing to do */
+    shutdown(c->fd, SHUT_RDWR); /* fd -1 once closed early (conn_finish): nothing to do */
 }
 
-static void *conn_main(void *arg)
+/* A connection's end: reset it if zero-copy answers are unacknowledged, release its pins, unlink
+ * and close it, free its state. */
+static void conn_finish(fmc_conn_state *cs)
 {
-    fmc_conn_state *cs = arg;
     fmc_engine *e = cs->e;
-    serve(cs);
     fmc_server_conn *c = cs->c;
     if (cs->ledger_count) {
         /* Unacknowledged zero-copy answers may still sit in the initiator's socket, to be copied
@@ -1044,7 +1130,47 @@ static void *conn_main(void *arg)
     free(cs->sink);
     free(c);
     free(cs);
+}
+
+/* Mooncake's framing is served by a thread of its own per connection (fmc_mooncake.c's loop
+ * blocks for each request): an interoperability path, not the one a cluster scales on. */
+static void *mooncake_main(void *arg)
+{
+    fmc_conn_state *cs = arg;
+    fmc_mc_serve(cs);
+    conn_finish(cs);
     return NULL;
+}
+
+static void start_mooncake_thread(fmc_conn_state *cs)
+{
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256u << 10);
+    pthread_t t;
+    if (pthread_create(&t, &attr, mooncake_main, cs) != 0) {
+        shutdown(cs->c->fd, SHUT_RDWR); /* the clean-up path without serving */
+        conn_finish(cs);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+void fmc_conn_serve(fmc_conn_state *cs)
+{
+    switch (serve_some(cs)) {
+    case SERVE_YIELD:
+        if (fmc_serve_pool_rearm(cs, cs->c->fd) == FMC_OK)
+            return;
+        flush(cs);
+        conn_finish(cs);
+        return;
+    case SERVE_MOONCAKE:
+        start_mooncake_thread(cs);
+        return;
+    default:
+        conn_finish(cs);
+    }
 }
 
 /* At the connection cap, the connection idle the longest (and at least FMC_EVICT_IDLE_MS) makes
@@ -1102,23 +1228,32 @@ static void start_conn(fmc_engine *e, int fd)
         close(fd);
         return;
     }
+    c->born_ms = fmc_now_ms();
     c->next = e->conns;
     if (e->conns)
         e->conns->prev = c;
     e->conns = c;
     e->nconns++;
     pthread_mutex_unlock(&e->mu);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, 256u << 10);
-    pthread_t t;
-    if (pthread_create(&t, &attr, conn_main, cs) != 0) {
-        /* Run the clean-up path without serving. */
-        shutdown(fd, SHUT_RDWR);
-        conn_main(cs);
+    if (fmc_serve_pool_add(cs, fd) != FMC_OK) {
+        fmc_engine_log(e, "refused a data connection: %s", fmc_last_error());
+        shutdown(fd, SHUT_RDWR); /* the clean-up path without serving */
+        conn_finish(cs);
     }
-    pthread_attr_destroy(&attr);
+}
+
+/* Connections that sent no preamble within FMC_PREAMBLE_TIMEOUT_MS are shut down (their worker
+ * then closes them): a silent connection holds no thread, only its socket. */
+static void drop_silent(fmc_engine *e)
+{
+    int64_t too_old = fmc_now_ms() - FMC_PREAMBLE_TIMEOUT_MS;
+    pthread_mutex_lock(&e->mu);
+    for (fmc_server_conn *c = e->conns; c; c = c->next)
+        if (!c->handshaken && !c->cut && c->born_ms < too_old) {
+            e->stat_protocol_errors++; /* counted as a preamble that never came */
+            fmc_server_conn_cut_locked(c);
+        }
+    pthread_mutex_unlock(&e->mu);
 }
 
 void *fmc_server_accept_main(void *arg)
@@ -1132,6 +1267,7 @@ void *fmc_server_accept_main(void *arg)
         pthread_mutex_unlock(&e->mu);
         if (stopping)
             break;
+        drop_silent(e);
         if (n <= 0 || !(pfd[0].revents & POLLIN))
             continue;
         int fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC);

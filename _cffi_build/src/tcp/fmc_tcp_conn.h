@@ -86,7 +86,20 @@ typedef struct fmc_conn_state {
     fmc_chunk *attached[FMC_STAGE_DEPTH]; /* landed read chunks that queued answers point into */
     int nattached;
     int broken;      /* a GPU copy failed: the connection goes at the next flush */
+    int wire;        /* 0 until the first bytes told the framing (WIRE_NATIVE, WIRE_MOONCAKE) */
+    struct {         /* r set: a host write whose payload stalled, `landed` bytes of it in place */
+        fmc_region *r;
+        uint64_t id, addr, len, landed;
+        int64_t since; /* when it last moved */
+    } parked;
 } fmc_conn_state;
+
+/* Serve a connection that has input until it runs dry (then it goes back to the pool's set) or
+ * ends (then it is closed and freed); called by the serve pool's workers (fmc_serve_pool.c). */
+void fmc_conn_serve(fmc_conn_state *cs);
+/* The serve pool: watch a new connection, or watch it again after serving. */
+int fmc_serve_pool_add(fmc_conn_state *cs, int fd);
+int fmc_serve_pool_rearm(fmc_conn_state *cs, int fd);
 
 /* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing,
  * host memory only), writable if asked; NULL if none.  Unpin releases one such use. */

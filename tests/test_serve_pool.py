@@ -1,0 +1,134 @@
+"""The target side's shared serve pool: many inbound connections, few threads.
+
+A target process serves every inbound data connection from one pool of threads
+(``fmc_serve_pool.c``): a connection takes a thread only while it has a request to serve, and
+the pool grows to at most ``FLAGCX_MC_SERVE_THREADS`` (default twice the CPUs, at least 4). These
+tests count the target process's threads in /proc while dozens of initiators' connections write
+into it, verify every byte, and check that initiators stalled in the middle of a write's payload
+hold no thread (their writes are parked) and finish once they go on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+from flagcx_mc import HostBuffer, TransferEngine
+from flagcx_mc._core import CoreEngine, serve_pool
+from flagcx_mc._testing.node import NodeProcess
+
+MIB = 1 << 20
+INITIATORS = 16  # engines in this process, 4 streams each: 64 connections into one target
+STREAMS = 4
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def write_from_many(target: NodeProcess, block: int = MIB) -> None:
+    """INITIATORS engines each write ``block`` random bytes to their own range of the target,
+    verified by digest; every engine stays open until all have written (their connections with
+    it)."""
+    engines: list[TransferEngine] = []
+    bufs: list[HostBuffer] = []
+    try:
+        for _ in range(INITIATORS):
+            eng = TransferEngine(transport="tcp", streams_per_peer=STREAMS)
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            buf = HostBuffer(block)
+            assert eng.register_memory(buf.addr, block) == 0
+            engines.append(eng)
+            bufs.append(buf)
+        for k, (eng, buf) in enumerate(zip(engines, bufs, strict=True)):
+            digest = buf.fill_random()
+            # 4 slices of a quarter each: every stream of the engine carries one
+            lengths = [block // STREAMS] * STREAMS
+            assert eng.batch_transfer_sync_write(target.session, [buf.addr + i * lengths[0] for i in range(STREAMS)],
+                                                 [target.addr(0, k * block + i * lengths[0]) for i in range(STREAMS)],
+                                                 lengths) == 0
+            assert target.call("digest", region=0, offset=k * block, length=block)["digest"] == digest
+        assert target.call("stats")["server_connections"] >= INITIATORS * 2
+    finally:
+        for eng in engines:
+            eng.close()
+        for buf in bufs:
+            buf.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cap", [None, 3])
+def test_dozens_of_inbound_connections_take_a_bounded_pool_of_threads(cap):
+    """64 connections of 16 initiators write into one target process: every byte lands, and the
+    target's threads grow by at most the pool's cap (default, or FLAGCX_MC_SERVE_THREADS=3)."""
+    env = {} if cap is None else {"FLAGCX_MC_SERVE_THREADS": str(cap)}
+    target = NodeProcess(regions=[INITIATORS * MIB], env=env)
+    try:
+        time.sleep(0.5)
+        base = threads_of(target.pid)
+        allowed = cap if cap is not None else max(4, 2 * len(os.sched_getaffinity(target.pid)))
+        write_from_many(target)
+        grown = threads_of(target.pid) - base
+        assert grown <= allowed, f"the target grew by {grown} threads for {INITIATORS * STREAMS} connections"
+    finally:
+        target.close()
+
+
+STALLED = 8
+
+
+def _answer(sock: socket.socket) -> tuple[int, int, int, int]:
+    data = b""
+    while len(data) < 24:
+        more = sock.recv(24 - len(data))
+        assert more, "the connection closed instead of answering"
+        data += more
+    return struct.unpack("<QiIQ", data)
+
+
+@pytest.mark.timeout(60)
+def test_initiators_stalled_mid_payload_hold_no_thread_and_finish_when_they_go_on():
+    """Eight initiators each send half of a 256 KiB write's payload and stop.  Their writes are
+    parked, not waited for by a thread: a ninth initiator's write is answered meanwhile, the
+    pool holds no more threads than its cap, and when the eight send the rest, each write is
+    answered and every byte is where it belongs."""
+    core = CoreEngine("127.0.0.1")
+    size = 256 * 1024
+    buf = HostBuffer((STALLED + 1) * size)
+    socks: list[socket.socket] = []
+    try:
+        buf.fill(0)
+        key = core.register(buf.addr, buf.size)
+        hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
+        payloads = [os.urandom(size) for _ in range(STALLED + 1)]
+        for k in range(STALLED):
+            s = socket.create_connection(("127.0.0.1", core.data_port), timeout=10)
+            s.sendall(hello + struct.pack("<BBHIQQQ", 1, 0, 0, key, 100 + k, buf.addr + k * size, size)
+                      + payloads[k][:size // 2])
+            assert s.recv(16)[:8] == b"FMCNATOK"
+            socks.append(s)
+        time.sleep(0.3)  # every worker that took one has parked it by now
+        with socket.create_connection(("127.0.0.1", core.data_port), timeout=10) as s:
+            start = time.monotonic()
+            s.sendall(hello + struct.pack("<BBHIQQQ", 1, 0, 0, key, 7, buf.addr + STALLED * size, size)
+                      + payloads[STALLED])
+            assert s.recv(16)[:8] == b"FMCNATOK"
+            assert _answer(s) == (7, 0, 0, 0)
+            assert time.monotonic() - start < 2.0
+        assert buf.read(STALLED * size, size) == payloads[STALLED]
+        workers, cap = serve_pool()
+        assert workers <= cap, (workers, cap)
+        for k, s in enumerate(socks):
+            s.sendall(payloads[k][size // 2:])
+        for k, s in enumerate(socks):
+            assert _answer(s) == (100 + k, 0, 0, 0)
+            assert buf.read(k * size, size) == payloads[k], f"write {k} landed wrong bytes"
+    finally:
+        for s in socks:
+            s.close()
+        core.close()
+        buf.close()
