@@ -68,6 +68,9 @@ void fmc_cond_init_monotonic(pthread_cond_t *cv);
  * callers fail too, never going on with predictable or uninitialised bytes. */
 int fmc_random_bytes(void *p, size_t n);
 int fmc_usable_cpus(void); /* CPUs this process may run on (common/fmc_util.c) */
+/* pidfd_open(pid) and pidfd_getfd(pidfd, fd): -1 (errno set) where the kernel or a policy refuses. */
+int fmc_pidfd_open(int pid);
+int fmc_pidfd_getfd(int pidfd, int fd);
 /* The process's serve pool of inbound data connections (tcp/fmc_serve_pool.c), made with the
  * first engine: its core threads and epoll set exist from then on, idle. */
 int fmc_serve_pool_start(void);

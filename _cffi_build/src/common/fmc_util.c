@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -153,6 +154,29 @@ int fmc_reader_try_more(fmc_reader *r)
     }
 }
 
+/* recv straight into dst until *left bytes came (counting them down): 0; -1 on a broken
+ * connection; EFAULT where the kernel could not write dst; with `park`, FMC_READ_PARKED when the
+ * socket's receive timeout passed without a byte (see keep_waiting otherwise). */
+static int recv_into(fmc_reader *r, uint8_t *dst, size_t *left, int park)
+{
+    int64_t since = 0;
+    while (*left) {
+        ssize_t got = recv(r->fd, dst, *left, MSG_WAITALL);
+        if (got > 0) {
+            dst += got;
+            *left -= (size_t)got;
+            since = 0;
+        } else if (got < 0 && park && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            return FMC_READ_PARKED;
+        } else if (got < 0 && (errno == EINTR || keep_waiting(&since))) {
+            continue;
+        } else {
+            return got < 0 && errno == EFAULT ? EFAULT : -1;
+        }
+    }
+    return 0;
+}
+
 int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
 {
     size_t have = r->end - r->start;
@@ -162,20 +186,8 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
         r->start += take;
     }
     /* The rest is large or not here yet: read it straight into place. */
-    uint8_t *p = (uint8_t *)dst + take;
     size_t left = n - take;
-    int64_t since = 0;
-    while (left) {
-        ssize_t got = recv(r->fd, p, left, MSG_WAITALL);
-        if (got > 0) {
-            p += got;
-            left -= (size_t)got;
-            since = 0;
-        } else if (!(got < 0 && (errno == EINTR || keep_waiting(&since)))) {
-            return -1;
-        }
-    }
-    return 0;
+    return recv_into(r, (uint8_t *)dst + take, &left, 0) == 0 ? 0 : -1;
 }
 
 /* ---------------------------------------------- checked copies into registered memory */
@@ -220,29 +232,14 @@ static int read_region(fmc_reader *r, void *dst, size_t n, size_t *parked)
         if (copied < take)
             return refuse_rest(r, n - take);
     }
-    uint8_t *p = (uint8_t *)dst + take;
     size_t left = n - take;
-    int64_t since = 0;
-    while (left) {
-        ssize_t got = recv(r->fd, p, left, MSG_WAITALL);
-        if (got > 0) {
-            p += got;
-            left -= (size_t)got;
-            since = 0;
-        } else if (got < 0 && parked && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            *parked = n - left;
-            return FMC_READ_PARKED;
-        } else if (got < 0 && (errno == EINTR || keep_waiting(&since))) {
-            continue;
-        } else if (got < 0 && errno == EFAULT) {
-            /* TCP leaves bytes it could not copy in the socket (ones copied into the writable
-             * part of a failed chunk are counted as not received): skip them all. */
-            return refuse_rest(r, left);
-        } else {
-            return -1;
-        }
-    }
-    return 0;
+    int rc = recv_into(r, (uint8_t *)dst + take, &left, parked != NULL);
+    if (rc == FMC_READ_PARKED)
+        *parked = n - left;
+    else if (rc == EFAULT) /* TCP leaves bytes it could not copy in the socket (ones copied into
+                            * the writable part of a failed chunk count as not received): skip them all */
+        return refuse_rest(r, left);
+    return rc;
 }
 
 int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n) { return read_region(r, dst, n, NULL); }
@@ -497,3 +494,14 @@ int fmc_usable_cpus(void)
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     return online > 0 ? (int)online : 1;
 }
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+int fmc_pidfd_open(int pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
+
+int fmc_pidfd_getfd(int pidfd, int fd) { return (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0); }

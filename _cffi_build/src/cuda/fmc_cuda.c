@@ -22,7 +22,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "fmc_copy_kernel_ptx.h"
@@ -741,13 +740,6 @@ int fmc_cuda_ipc_open(const uint8_t *handle, int device, uint64_t *mapped)
  * and a same-host peer takes copies with pidfd_getfd (the same permission process_vm_writev
  * needs), imports them and maps the chunks side by side in a range of its own. */
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
-
 typedef struct {
     int cap, n;
     uint64_t *bases, *sizes;
@@ -862,7 +854,7 @@ int fmc_cuda_vmm_import(int pid, int n, const uint64_t *bases, const uint64_t *s
         return n > 0 ? FMC_ERR_MEMORY : FMC_ERR_INVALID_ARGUMENT;
     }
     memcpy(kept, sizes, sizeof *kept * (size_t)n);
-    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    int pidfd = fmc_pidfd_open(pid);
     CUdeviceptr va = 0;
     int rc = FMC_OK, done = 0;
     if (pidfd < 0) {
@@ -873,7 +865,7 @@ int fmc_cuda_vmm_import(int pid, int n, const uint64_t *bases, const uint64_t *s
         rc = FMC_ERR_MEMORY;
     }
     for (uint64_t at = va; rc == FMC_OK && done < n; at += sizes[done++]) {
-        int fd = (int)syscall(SYS_pidfd_getfd, pidfd, fds[done], 0);
+        int fd = fmc_pidfd_getfd(pidfd, fds[done]);
         if (fd < 0) {
             fmc_set_error("pidfd_getfd(pid %d, fd %d): %s", pid, fds[done], strerror(errno));
             rc = FMC_ERR_NOT_IMPLEMENTED;

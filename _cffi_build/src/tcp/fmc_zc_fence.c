@@ -21,17 +21,9 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"
-
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 typedef struct {
     struct sockaddr_storage addr;
@@ -62,12 +54,6 @@ static int is_far_end(int theirs, const sock_name *local, const sock_name *peer)
     return names_of(theirs, &tl, &tp) == 0 && same_name(&tl, peer) && same_name(&tp, local);
 }
 
-/* A copy of fd `n` of the process behind `pidfd`, or -1. */
-static int take_fd(int pidfd, int n)
-{
-    return (int)syscall(SYS_pidfd_getfd, pidfd, n, 0);
-}
-
 void fmc_zc_fence_attach(fmc_peer *p, fmc_stream *const *streams, int n)
 {
     for (int i = 0; i < n; i++) {
@@ -78,7 +64,7 @@ void fmc_zc_fence_attach(fmc_peer *p, fmc_stream *const *streams, int n)
     }
     if (n == 0 || p->owner_pid <= 0 || !fmc_zc_enabled(p->engine))
         return;
-    int pidfd = (int)syscall(SYS_pidfd_open, p->owner_pid, 0);
+    int pidfd = fmc_pidfd_open(p->owner_pid);
     if (pidfd < 0)
         return;
     sock_name local[FMC_MAX_STREAMS], peer[FMC_MAX_STREAMS];
@@ -103,7 +89,7 @@ void fmc_zc_fence_attach(fmc_peer *p, fmc_stream *const *streams, int n)
         ssize_t tl = readlink(link, target, sizeof target - 1);
         if (tl < 8 || memcmp(target, "socket:[", 8) != 0)
             continue;
-        int theirs = take_fd(pidfd, (int)fdn);
+        int theirs = fmc_pidfd_getfd(pidfd, (int)fdn);
         if (theirs < 0)
             continue; /* not allowed (then no other fd is either), or gone meanwhile */
         struct stat sb;
@@ -149,9 +135,9 @@ void fmc_zc_fence_close(fmc_stream *st)
     int theirs = -1;
     sock_name local, peer;
     if (st->zc_link && st->target_fd >= 0 && st->peer->owner_pid > 0 && names_of(st->fd, &local, &peer) == 0) {
-        int pidfd = (int)syscall(SYS_pidfd_open, st->peer->owner_pid, 0);
+        int pidfd = fmc_pidfd_open(st->peer->owner_pid);
         if (pidfd >= 0) {
-            theirs = take_fd(pidfd, st->target_fd);
+            theirs = fmc_pidfd_getfd(pidfd, st->target_fd);
             close(pidfd);
         }
         /* The fd number may name something else by now, if the target closed its end: then
