@@ -256,6 +256,7 @@ class CoreEngine:
         lib.fmc_engine_get_stats(self._ptr, s)
         out: dict = {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
         out["cuda_contexts"], out["cuda_context_uuids"] = cuda_contexts()
+        out["serve_threads"], out["serve_threads_cap"] = serve_pool()  # the process's, shared
         return out
 
     def drain_log(self) -> list[str]:
