@@ -549,7 +549,8 @@ def test_targets_files_may_be_toml(tmp_path):
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
     kinds = [t.metric.split(":")[0] for t in loaded.targets]
-    assert kinds.count("calls_ratio") == 10 and len(kinds) == 28 and loaded.note_steal_from == 0.05
+    assert kinds.count("calls_ratio") == 10 and kinds.count("peers") == 5 and len(kinds) == 33
+    assert loaded.note_steal_from == 0.05
     links = [(t.link, t.metric.split(":")[2], t.threshold) for t in loaded.targets if t.link]
     assert sorted(links) == [("clean", "mooncake", 1.5), ("lossy", "mooncake", 1.2), ("lossy", "plain streams", 0.8),
                              ("shaped", "plain streams", 0.9)]
@@ -751,3 +752,49 @@ def test_latency_n_zero_skips_the_latency_test(tmp_path, capsys):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["errors"] == [] and data["latency"] == [] and data["rows"][0]["verified"]
     assert "RuntimeWarning" not in capsys.readouterr().err  # the workers start without runpy's warning
+
+
+def _peer_row(direction: str, peers: int, gbps: float, threads: int, fds: int) -> dict:
+    return {"engine": "flagcx_mc", "direction": direction, "peers": peers, "block": 1 << 20, "gbps": gbps,
+            "threads": threads, "fds": fds, "idle_threads": 10, "idle_fds": 20, "verified": True, "error": None}
+
+
+def test_peers_targets_judge_threads_fds_and_rates_against_their_budget():
+    """peers:D:threads is threads over idle + 2 x CPUs + 8, peers:D:fds fds over idle + 4 per
+    peer, both at the worst count from min_peers up; peers:D:rate_N/M a ratio of rates."""
+    result = {"cpus": 2, "peers": [_peer_row("in", 8, 2.0, 12, 52), _peer_row("in", 64, 1.8, 22, 276),
+                                   _peer_row("in", 256, 1.5, 21, 1044), _peer_row("out", 64, 1.6, 500, 600)]}
+    targets = tg.TargetSet(tuple(tg.Target(name, metric, threshold, better) for name, metric, threshold, better in [
+        ("t", "peers:in:threads", 1.0, "lower"), ("f", "peers:in:fds", 1.0, "lower"),
+        ("r", "peers:in:rate_64/8", 0.8, "higher"), ("o", "peers:out:threads", 1.0, "lower"),
+        ("n", "peers:out:rate_64/8", 0.8, "higher")]))
+    got = {t["name"]: t for t in tg.evaluate_targets(targets, result)}
+    assert got["t"]["status"] == "PASS" and got["t"]["measured"] == pytest.approx(22 / 22)  # 10 + 2 x 2 + 8
+    assert got["f"]["status"] == "PASS" and got["f"]["measured"] == pytest.approx(1.0)  # 276 = 20 + 4 x 64
+    assert got["r"]["status"] == "PASS" and got["r"]["measured"] == pytest.approx(0.9)
+    assert got["o"]["status"] == "MISS" and "out with 64 peers" in got["o"]["detail"]
+    assert got["n"]["status"] == "N/A"
+    with pytest.raises(tg.TargetsError):
+        tg._check(tg.Target("bad", "peers:sideways:threads", 1.0, "lower"), TRANSPORT_NAMES)
+    with pytest.raises(tg.TargetsError):
+        tg._check(tg.Target("bad", "peers:in:rate_64", 1.0, "higher"), TRANSPORT_NAMES)
+
+
+def test_a_tiny_peers_run_verifies_every_range_and_reports_budgets(tmp_path):
+    """flagcx-mc bench --peers 2 (no Mooncake): both directions measured and verified, threads
+    and fds reported with the engine's idle counts, the JSON readable by --check."""
+    out = tmp_path / "peers.json"
+    proc = subprocess.run([sys.executable, "-m", "flagcx_mc", "bench", "--peers", "2", "--trials", "1",
+                           "--no-mooncake", "--json", str(out), "--targets", str(PROJECT_TARGETS)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT / "examples")
+    data = json.loads(out.read_text())
+    assert data["verified"] and len(data["peers"]) == 2, proc.stdout + proc.stderr
+    for row in data["peers"]:
+        assert row["verified"] and row["gbps"] > 0 and row["threads"] >= row["idle_threads"] > 0
+        assert row["fds"] > row["idle_fds"] > 0
+    assert "budget with" in proc.stdout
+    # Only peers targets judge a peers run; with 2 peers none has its 64 peers: all N/A, exit 0.
+    assert {t["status"] for t in data["targets"]} == {"N/A"} and proc.returncode == 0, proc.stdout
+    check = subprocess.run([sys.executable, "-m", "flagcx_mc", "bench", "--check", str(out)], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT / "examples")
+    assert check.returncode == 0 and "budget with" in check.stdout, check.stdout + check.stderr

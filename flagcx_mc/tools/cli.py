@@ -114,7 +114,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         if not counts or any(not 1 <= c <= 1024 for c in counts):
             print("--peers takes counts of 1 to 1024, such as 1,8,64,256", file=sys.stderr)
             return 2
-        return _run_peers_bench(counts, args.json, not args.no_mooncake, args.trials or 3, args.verbose)
+        return _run_peers_bench(counts, args.json, not args.no_mooncake, args.trials or 3, args.verbose, targets)
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
@@ -169,7 +169,8 @@ def _run_async_bench(json_path: str, targets) -> int:
     return verdict(result)
 
 
-def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: int, verbose: bool) -> int:
+def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: int, verbose: bool,
+                     targets) -> int:
     import contextlib
     import importlib.util
     import json
@@ -178,7 +179,9 @@ def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: 
 
     from ..config import usable_cpus
     from .bench.peers import measure_peers, print_peers_report
+    from .bench.report import print_targets, verdict
     from .bench.runner import stderr_to
+    from .bench.targets import evaluate_targets
 
     engines = ["flagcx_mc"] + (["mooncake"] if mooncake and importlib.util.find_spec("mooncake") else [])
     rows = []
@@ -194,11 +197,18 @@ def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: 
                 rows.append(row)
     result: dict = {"peers": rows, "cpus": usable_cpus(), "targets": [], "errors": [],
                     "verified": all(r["verified"] for r in rows)}
+    result["targets"] = _peers_only(evaluate_targets(targets, result)) if targets else []
     print_peers_report(rows, result["cpus"])
+    print_targets(result["targets"])
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=1))
-    return 0 if result["verified"] else 1
+    return verdict(result)
+
+
+def _peers_only(targets: list[dict]) -> list[dict]:
+    """The evaluated targets a --peers result can meet."""
+    return [t for t in targets if t["metric"].startswith("peers:")]
 
 
 def _check_results(path: str, targets) -> int:
@@ -218,6 +228,13 @@ def _check_results(path: str, targets) -> int:
         return 2
     if "rows" in result:
         print_report(result)
+    elif "peers" in result:  # written by --peers
+        from .bench.peers import print_peers_report
+        from .bench.report import print_targets
+
+        result["targets"] = _peers_only(result["targets"])
+        print_peers_report(result["peers"], result.get("cpus") or 1)
+        print_targets(result["targets"])
     else:  # written by --async: only the async facade's calls/s
         result["targets"] = _calls_ratio_only(result["targets"])
         _print_async_result(result)

@@ -184,7 +184,7 @@ def measure_peers(engine: str, direction: str, n: int, block: int, trials: int =
 
 def print_peers_report(rows: list[dict], cpus: int, out: Any = None) -> None:
     """The peers table: per engine, direction and count, the rate and what the measured process
-    holds, beside the budget issue #36 sets (idle + 2 x CPUs + 8 threads, idle + 4 per peer fds)."""
+    holds, beside the budget the targets set (idle + 2 x CPUs + 8 threads, idle + 4 fds per peer)."""
     print(f"\n{'peers':<13} {'dir':>3} {'peers':>5} {'block':>6} {'GB/s':>7} {'threads':>12} {'fds':>13} "
           f"{'RSS MiB':>8}  verified", file=out)
     for r in rows:
@@ -196,8 +196,8 @@ def print_peers_report(rows: list[dict], cpus: int, out: Any = None) -> None:
         fds = f"{r['fds']} (+{r['fds'] - r['idle_fds']})"
         print(f"{r['engine']:<13} {r['direction']:>3} {r['peers']:>5} {r['block'] >> 10:>5}K {r['gbps']:>7.2f} "
               f"{threads:>12} {fds:>13} {r['rss_mib']:>8.1f}  {'yes' if r['verified'] else 'NO'}", file=out)
-    print(f"(threads and fds of the measured process once every session is open, with its count before any "
-          f"peer in brackets' base; budget with {cpus} CPUs: idle + {2 * cpus + 8} threads, idle + 4 per peer fds)",
+    print(f"(the measured process's threads and fds once every session is open, in brackets what it gained over "
+          f"the engine alone; budget with {cpus} CPUs: idle + {2 * cpus + 8} threads, idle + 4 fds per peer)",
           file=out)
 
 

@@ -18,7 +18,12 @@ written ``kind:transport:against``:
   ``U``'s;
 - ``calls_ratio:T:A/B`` -- from ``flagcx-mc bench --async``: calls per second of column ``A``
   over column ``B`` (``sync``, ``async_N``, ``to_thread_N`` for N coroutines) on ``T``'s single
-  transfers (one block a call), every block size and event loop; the lowest.
+  transfers (one block a call), every block size and event loop; the lowest;
+- ``peers:D:M`` -- from ``flagcx-mc bench --peers``, flagcx_mc's rows of direction ``D`` (``in``
+  or ``out``): ``threads`` -- the measured process's threads over its budget, idle threads +
+  2 x CPUs + 8; ``fds`` -- its fds over idle fds + 4 per peer; both at every count of at least
+  ``min_peers`` (a target's key, default 64), the highest; ``rate_N/M`` -- the aggregate rate
+  with N peers over that with M.
 
 Each target comes out PASS, MISS or N/A (nothing measured it, with the reason) beside the worst
 value and the row it came from.
@@ -37,7 +42,8 @@ from .report import throughput_rows
 
 __all__ = ["METRIC_KINDS", "Target", "TargetSet", "TargetsError", "evaluate_targets", "load_targets"]
 
-METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio", "calls_ratio")
+METRIC_KINDS = ("throughput_ratio", "cpu_ratio", "p50_latency_ratio", "calls_ratio", "peers")
+PEER_DIRECTIONS = ("in", "out")
 LINK_KINDS = ("clean", "shaped", "lossy")  # link.LinkSpec.kind
 
 
@@ -54,6 +60,7 @@ class Target:
     min_block: int | None = None  # judged on rows of blocks in [min_block, max_block] only
     max_block: int | None = None
     link: str | None = None  # judged on runs over a link of this kind only (LINK_KINDS); None: loopback runs
+    min_peers: int = 64  # peers targets: the least peer count judged
 
     def takes_run(self, result: dict) -> bool:
         """Whether this target judges ``result``: a link target a run over a link of its kind, any
@@ -90,7 +97,13 @@ def _check(target: Target, transports: tuple[str, ...]) -> None:
         raise TargetsError(f"{target.name!r}: metric {target.metric!r} is not kind:transport:against with kind one "
                            f"of {', '.join(METRIC_KINDS)}")
     kind, transport, against = parts
-    if transport not in transports:
+    if kind == "peers":
+        rate = against.startswith("rate_") and against[5:].count("/") == 1 and all(
+            x.isdigit() for x in against[5:].split("/"))
+        if transport not in PEER_DIRECTIONS or not (against in ("threads", "fds") or rate):
+            raise TargetsError(f"{target.name!r}: peers targets are peers:in|out:threads|fds|rate_N/M, "
+                               f"not {target.metric!r}")
+    elif transport not in transports:
         raise TargetsError(f"{target.name!r}: no transport {transport!r} (known: {', '.join(transports)})")
     if kind == "throughput_ratio" and against not in BASELINES:
         raise TargetsError(f"{target.name!r}: no baseline {against!r} (known: {', '.join(BASELINES)})")
@@ -138,7 +151,8 @@ def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
         try:
             target = Target(name=str(item["name"]), metric=str(item["metric"]), threshold=float(item["threshold"]),
                             better=str(item["better"]), min_block=item.get("min_block"),
-                            max_block=item.get("max_block"), link=item.get("link"))
+                            max_block=item.get("max_block"), link=item.get("link"),
+                            min_peers=int(item.get("min_peers", 64)))
         except (TypeError, KeyError, ValueError) as exc:
             raise TargetsError(f"{path}: a target needs name, metric, threshold (a number) and better: {item!r} "
                                f"({type(exc).__name__}: {exc})") from None
@@ -172,6 +186,8 @@ def _mooncake_transports(result: dict) -> list[str]:
 def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str]:
     """(value, row) pairs the target is judged on, and why there are none."""
     kind, transport, against = target.parts
+    if kind == "peers":
+        return _peer_values(target, result)
     if kind == "p50_latency_ratio":
         lat = {x["transport"]: x for x in result.get("latency", []) if x.get("verified")}
         if transport in lat and against in lat and lat[against].get("p50_us"):
@@ -197,6 +213,26 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
     return values, "" if values else _why_not(result, transport, *others)
 
 
+def _peer_values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str]:
+    _, direction, measure = target.parts
+    rows = {r["peers"]: r for r in result.get("peers", [])
+            if r.get("engine") == "flagcx_mc" and r.get("direction") == direction and r.get("verified")}
+    if not rows:
+        return [], f"no verified flagcx_mc {direction} rows (flagcx-mc bench --peers)"
+    if measure.startswith("rate_"):
+        top, bottom = (int(x) for x in measure[5:].split("/"))
+        if top not in rows or bottom not in rows or not rows[bottom]["gbps"]:
+            return [], f"needs {direction} rows of {top} and {bottom} peers"
+        return [(rows[top]["gbps"] / rows[bottom]["gbps"], rows[top])], ""
+    cpus = result.get("cpus") or 1
+    judged = [r for n, r in rows.items() if n >= target.min_peers]
+    if not judged:
+        return [], f"no {direction} row of {target.min_peers} peers or more"
+    if measure == "threads":
+        return [(r["threads"] / (r["idle_threads"] + 2 * cpus + 8), r) for r in judged], ""
+    return [(r["fds"] / (r["idle_fds"] + 4 * r["peers"]), r) for r in judged], ""
+
+
 def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
     """Each target against a bench result (rows with their ratios, latencies, transports):
     ``{"name", "metric", "status" (PASS, MISS or N/A), "measured" (the worst value), "threshold",
@@ -215,7 +251,9 @@ def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
             continue
         worst, row = (min if t.better == "higher" else max)(values, key=lambda v: v[0])
         ok = worst >= t.threshold if t.better == "higher" else worst <= t.threshold
-        if "op" in row:
+        if "peers" in row:
+            detail = f"worst: {row['direction']} with {row['peers']} peers"
+        elif "op" in row:
             detail = f"worst: {row['op']} {fmt_size(row['block'])} x{row['count']}"
         elif "loop" in row:
             detail = f"worst: {fmt_size(row['block'])} x{row['count']} on {row['loop']}"
