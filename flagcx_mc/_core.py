@@ -307,6 +307,7 @@ class CorePeer:
         self._ptr = ffi.gc(out[0], lib.fmc_peer_release)
         self.host = host
         self.data_port = data_port
+        self.streams = streams
 
     def set_regions(self, regions: Sequence[tuple[int, int, int]]) -> None:
         n = len(regions)

@@ -264,6 +264,7 @@ class EngineConfig:
     handshake_timeout: float = 5.0       # seconds for one handshake round trip or data connect
     idle_session_timeout: float = 120.0  # seconds unused after which a session's connections close; 0: never
     streams_per_peer: int = dataclasses.field(default_factory=default_streams)  # data connections per peer
+    stream_budget: int = 0               # data connections of all open sessions together; 0: 4 x CPUs (see streams_for)
     slice_size: int = 1 << 20            # bytes per wire request; tasks are cut to this
     wait_threads: int = 64               # executor threads that wait for completions (async API)
     secret: bytes | None = dataclasses.field(default=None, repr=False)  # shared secret (auth.py)
@@ -306,6 +307,7 @@ class EngineConfig:
             "handshake_timeout": _env_number("FLAGCX_MC_HANDSHAKE_TIMEOUT"),
             "idle_session_timeout": _env_number("FLAGCX_MC_IDLE_SESSION_TIMEOUT"),
             "streams_per_peer": _env_number("FLAGCX_MC_STREAMS", int),
+            "stream_budget": _env_number("FLAGCX_MC_STREAM_BUDGET", int),
             "slice_size": _env_number("FLAGCX_MC_SLICE_SIZE", int),
             "wait_threads": _env_number("FLAGCX_MC_WAIT_THREADS", int),
             "transport": os.environ.get("FLAGCX_MC_TRANSPORT") or None,
@@ -347,6 +349,16 @@ class EngineConfig:
             log.warning("%s; connections within this host keep the host's default", problem)
         return config
 
+    def streams_for(self, open_sessions: int) -> int:
+        """Data connections for a session opened while ``open_sessions`` others are open: a share
+        of ``stream_budget`` (4 x the CPUs this process may use by default), at most
+        ``streams_per_peer`` and at least one.  A process that talks to a few peers gives each all
+        its streams (streams are how one peer's transfer uses the cores); one that talks to
+        hundreds gives each one or two, so that its connections and their threads do not grow
+        eightfold with the peers."""
+        budget = self.stream_budget or 4 * usable_cpus()
+        return max(1, min(self.streams_per_peer, budget // (open_sessions + 1)))
+
     def validate(self) -> None:
         if not self.transfer_timeout > 0 or not self.handshake_timeout > 0:
             raise InvalidArgumentError("timeouts must be positive")
@@ -354,6 +366,8 @@ class EngineConfig:
             raise InvalidArgumentError("idle_session_timeout must be 0 (never) or a positive number of seconds")
         if not 1 <= self.streams_per_peer <= 64:
             raise InvalidArgumentError("streams_per_peer must be in 1..64")
+        if type(self.stream_budget) is not int or self.stream_budget < 0:
+            raise InvalidArgumentError("stream_budget must be 0 (4 x the CPUs) or a positive number of connections")
         if not (4 << 10) <= self.slice_size <= (64 << 20):
             raise InvalidArgumentError("slice_size must be in [4 KiB, 64 MiB]")
         if self.wait_threads < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from flagcx_mc import AsyncTransferEngine, TransferEngine
-from flagcx_mc.config import EngineConfig
+from flagcx_mc.config import EngineConfig, usable_cpus
 from flagcx_mc.errors import InvalidArgumentError
 
 
@@ -78,3 +78,14 @@ def test_process_settings_come_from_the_environment(monkeypatch):
     assert ProcessSettings.from_env() == ProcessSettings("/opt/fake/libcuda.so", "/tmp/trace", 5000)
     monkeypatch.setenv("FMC_TRACE_EVENTS", "lots")
     assert ProcessSettings.from_env().trace_events == 0
+
+
+def test_streams_for_shares_the_budget_among_open_sessions():
+    """A session gets budget // (sessions open + 1) streams, at most streams_per_peer, at least one;
+    the budget defaults to 4 x the CPUs this process may use."""
+    config = EngineConfig.from_env(streams_per_peer=8, stream_budget=16)
+    assert [config.streams_for(n) for n in (0, 1, 2, 3, 7, 15, 300)] == [8, 8, 5, 4, 2, 1, 1]
+    default = EngineConfig.from_env(streams_per_peer=4)
+    assert default.streams_for(0) == min(4, 4 * usable_cpus())
+    with pytest.raises(InvalidArgumentError):
+        EngineConfig.from_env(stream_budget=-1)

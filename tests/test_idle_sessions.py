@@ -217,3 +217,24 @@ async def test_the_async_facade_releases_and_reopens_too():
         await eng.close()
         buf.close()
         target.close()
+
+
+@pytest.mark.timeout(60)
+def test_sessions_share_a_budget_of_streams():
+    """With ``stream_budget=3`` the first session gets 3 streams (its share, under
+    ``streams_per_peer=4``), the next ones 3 // 2 and 3 // 3: one each; every write lands, and
+    each target counts as many inbound connections as its session has streams."""
+    targets = [NodeProcess(regions=[4 * MIB]) for _ in range(3)]
+    eng, buf = open_engine(stream_budget=3)
+    try:
+        for target in targets:
+            write_verified(eng, buf, target)
+        sessions = eng._state.require_sessions()
+        streams = [sessions.peek(t.session).peer.streams for t in targets]
+        assert streams == [3, 1, 1], streams
+        assert [t.call("stats")["server_connections"] for t in targets] == streams
+    finally:
+        eng.close()
+        buf.close()
+        for target in targets:
+            target.close()

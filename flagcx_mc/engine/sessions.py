@@ -168,7 +168,8 @@ class SessionCache:
 
     def _new_peer(self, host: str, desc: SegmentDesc) -> CorePeer:
         data_port = desc.native.data_port if desc.native else desc.tcp_data_port
-        peer = CorePeer(self._core, host, data_port, self._config.streams_per_peer, self._config.slice_size)
+        streams = self._config.streams_for(len(self._open) + len(self._opening) - 1)
+        peer = CorePeer(self._core, host, data_port, streams, self._config.slice_size)
         if desc.native is None:
             peer.set_protocol(PROTO_MOONCAKE)
         elif desc.native.boot_id and desc.native.boot_id == boot_id():
