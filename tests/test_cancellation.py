@@ -287,6 +287,25 @@ async def test_cancelled_async_batch_wait_cancels_the_batch_at_once(rig):
     await rig.check_usable()
 
 
+@LOOPS
+@pytest.mark.timeout(60)
+async def test_a_cancelled_vector_write_returns_at_once(tcp_rig):
+    """FlagCX's low-level API: ``write_vector_sync`` of 16 descriptors to a stopped target under
+    ``wait_for(..., 0.5)`` returns within the bound, and its source is fenced."""
+    rig = tcp_rig
+    rig.prepare_write(0, region=0)
+    conn = await rig.eng.get_conn(rig.session)
+    n = SIZE // BLOCK
+    descs = [rig.eng.make_desc(conn, rig.target.addr(0, i * BLOCK), BLOCK) for i in range(n)]
+    rig.stop()
+    coro = rig.eng.write_vector_sync(conn, [rig.buf.addr + i * BLOCK for i in range(n)], descs, [BLOCK] * n)
+    outcome, elapsed = await rig.interrupt(coro, "wait_for")
+    print(f"vector: {outcome} after {elapsed * 1e3:.1f} ms")
+    assert outcome == "cancelled"
+    await rig.check_write_fence(outcome, 0, region=0)
+    await rig.check_usable()
+
+
 @pytest.mark.skipif(_GPUS == 0, reason=f"no CUDA device here: {_NO_GPU_WHY}")
 @pytest.mark.timeout(60)
 async def test_cancelled_write_from_gpu_memory_never_reads_it_again():
