@@ -450,7 +450,7 @@ class EngineState:
         """A call's first try came back ``rc``: try once more on a refreshed region table when
         that can help (memory the peer registered since, or a stale address), then raise what is
         left.  Returns the session the call succeeded on."""
-        if session.released:  # the sweep closed it under the call: go again on a new session
+        if session.released and rc == errors.PeerConnectionError.code:  # closed under the call by the sweep
             session = await self.require_sessions().get(target)
             rc, why = await self.run_blocking(req.run, session, self.config)
         if needs_refresh(rc):

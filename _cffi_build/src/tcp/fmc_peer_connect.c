@@ -271,8 +271,9 @@ int fmc_stream_reconnect(fmc_stream *st)
 int fmc_peer_is_healthy(fmc_peer *p)
 {
     int ok = __atomic_load_n(&p->connected, __ATOMIC_ACQUIRE) && !__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE);
-    for (int i = 0; ok && i < p->nstreams; i++) /* a stream coming back from a cut still takes slices */
+    for (int i = 0; ok && i < p->nstreams; i++) /* a stream cut to come back still takes slices */
         ok = !__atomic_load_n(&p->streams[i].dead, __ATOMIC_ACQUIRE) ||
+             __atomic_load_n(&p->streams[i].restart, __ATOMIC_ACQUIRE) ||
              __atomic_load_n(&p->streams[i].reconnecting, __ATOMIC_ACQUIRE);
     return ok;
 }

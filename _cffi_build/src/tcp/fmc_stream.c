@@ -94,7 +94,7 @@ static int stream_thread_exit(fmc_stream *st)
             st->reconnecting = 1;
             status = FMC_ERR_TIMEOUT;
         }
-        st->restart = 0;
+        __atomic_store_n(&st->restart, 0, __ATOMIC_RELEASE); /* after reconnecting: health reads both */
         pthread_cond_broadcast(&st->cv);
     }
     while (st->threads_alive > 0) /* the other thread is still on the old connection */
@@ -162,7 +162,7 @@ void fmc_stream_cut(fmc_stream *st)
 {
     pthread_mutex_lock(&st->mu);
     if (!st->dead) {
-        st->restart = 1;
+        __atomic_store_n(&st->restart, 1, __ATOMIC_RELEASE); /* before `dead`: the peer stays healthy */
         st->peer->engine->stat_streams_cut++;
         kill_locked(st);
     }
