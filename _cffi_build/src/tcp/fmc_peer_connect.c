@@ -250,6 +250,7 @@ int fmc_stream_reconnect(fmc_stream *st)
         st->token = token;
         st->rd.fd = fd;
         st->rd.start = st->rd.end = 0;
+        st->zc_link = 0; /* copied sends until fmc_zc_fence_attach finds the new far end */
         st->target_fd = -1;
         st->dead = 0;
     }

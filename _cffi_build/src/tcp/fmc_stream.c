@@ -1048,6 +1048,7 @@ static int receiver_park(fmc_stream *st)
 static void receive_answers(fmc_stream *st, int proto, fmc_reader *rd, rx_ring *gpu)
 {
     fmc_slice_list done = {0};
+    gpu->failed = 0; /* a failed piece of an answer the previous connection broke off fails nothing here */
     for (;;) {
         fmc_resp a;
         int park = !answer_buffered(proto, rd);
