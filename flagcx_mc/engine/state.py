@@ -289,21 +289,18 @@ class EngineState:
         return {**core.stats(), "session": self.session_name, "rpc_port": self.rpc_port, "data_port": core.data_port,
                 "call_groups": grouped.groups, "grouped_calls": grouped.grouped_calls, **self.metrics.snapshot()}
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any, on_cancel: Callable[[], Any] | None = None) -> T:
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the engine's wait executor: blocking core calls never block the loop.
 
         A blocking call cannot be abandoned half-way: if the awaiting task is cancelled (a
-        ``task.cancel()``, an ``asyncio.wait_for`` timeout), ``on_cancel`` (if given) asks the
-        core to stop it sooner, the call is still waited for (its own deadline bounds it), and
-        only then does ``CancelledError`` propagate.  So a cancelled transfer, like a timed-out
-        one, returns only once nothing more will touch either side's buffers."""
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, fn, *args)
+        ``task.cancel()``, an ``asyncio.wait_for`` timeout), the call is still waited for (its
+        own deadline bounds it), and only then does ``CancelledError`` propagate.  So nothing
+        more touches either side's buffers once it returns.  Batches started from the loop are
+        cancelled in the core instead (``stop_in_core``)."""
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            if on_cancel is not None:
-                await _finish(loop.run_in_executor(self._executor, on_cancel))
             await _finish(future)
             raise
 

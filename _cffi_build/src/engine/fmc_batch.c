@@ -409,6 +409,21 @@ static int list_has_cancelled(fmc_slice *s, fmc_batch *b)
     return 0;
 }
 
+/* Mark the unfinished tasks of [first, first + count) cancelled; 1 if there was any. */
+static int mark_cancelled(fmc_batch *b, int first, int count)
+{
+    int any = 0;
+    pthread_mutex_lock(&b->mu);
+    for (int t = first; t < first + count; t++) {
+        if (b->task_remaining[t] > 0) {
+            __atomic_store_n(&b->task_cancelled[t], 1, __ATOMIC_RELEASE);
+            any = 1;
+        }
+    }
+    pthread_mutex_unlock(&b->mu);
+    return any;
+}
+
 /* Cancel tasks [first, first + count) of a batch: their unsent slices are taken back, and each
  * stream carrying one of their slices on the wire is cut (fmc_stream_cut), which is the only way
  * to stop a socket reading or writing their memory.  Other calls' slices on a cut stream are
@@ -420,16 +435,7 @@ int fmc_batch_cancel_tasks(fmc_batch *b, int first, int count)
         fmc_set_error("tasks [%d, +%d) outside a batch of %d", first, count, b->ntasks);
         return FMC_ERR_INVALID_ARGUMENT;
     }
-    int any = 0;
-    pthread_mutex_lock(&b->mu);
-    for (int t = first; t < first + count; t++) {
-        if (b->task_remaining[t] > 0) {
-            __atomic_store_n(&b->task_cancelled[t], 1, __ATOMIC_RELEASE);
-            any = 1;
-        }
-    }
-    pthread_mutex_unlock(&b->mu);
-    if (!any)
+    if (!mark_cancelled(b, first, count))
         return FMC_OK;
     fmc_peer *p = b->peer;
     for (int i = 0; i < p->nstreams; i++) {
@@ -459,13 +465,7 @@ int fmc_batch_cancel_tasks(fmc_batch *b, int first, int count)
     return FMC_OK;
 }
 
-void fmc_batch_mark_cancelled(fmc_batch *b)
-{
-    pthread_mutex_lock(&b->mu);
-    for (int t = 0; t < b->ntasks; t++)
-        __atomic_store_n(&b->task_cancelled[t], 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&b->mu);
-}
+void fmc_batch_mark_cancelled(fmc_batch *b) { mark_cancelled(b, 0, b->ntasks); }
 
 int fmc_batch_cancel(fmc_batch *b)
 {

@@ -2,7 +2,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,9 +72,11 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
     }
     e->listen_fd = fd;
     fmc_tcp_timers_early(fd, &e->opts); /* inherited by every accepted connection */
-    if (fmc_serve_pool_start() != FMC_OK || pipe2(e->wake_pipe, O_CLOEXEC) != 0 ||
+    int pool = fmc_serve_pool_start(); /* its error already says why */
+    if (pool != FMC_OK || pipe2(e->wake_pipe, O_CLOEXEC) != 0 ||
         pthread_create(&e->accept_thread, NULL, fmc_server_accept_main, e) != 0) {
-        fmc_set_error("cannot start the data listener thread: %s", strerror(errno));
+        if (pool == FMC_OK)
+            fmc_set_error("cannot start the data listener thread: %s", strerror(errno));
         close(fd);
         if (e->wake_pipe[0] >= 0) {
             close(e->wake_pipe[0]);

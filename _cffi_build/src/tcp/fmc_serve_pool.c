@@ -95,7 +95,7 @@ static void *worker_main(void *arg)
     }
 }
 
-/* Make the set and the core workers on first use. */
+/* Make the set and the core workers, with the process's first engine. */
 static int pool_ready_locked(void)
 {
     if (pool.epfd >= 0)
@@ -123,23 +123,20 @@ int fmc_serve_pool_start(void)
     return rc;
 }
 
-int fmc_serve_pool_add(fmc_conn_state *cs, int fd)
+/* Watch a connection for input, once (EPOLLONESHOT).  The set exists: every engine made it
+ * (fmc_serve_pool_start) before it could accept a connection. */
+static int watch(fmc_conn_state *cs, int fd, int op)
 {
-    pthread_mutex_lock(&pool.mu);
-    int rc = pool_ready_locked();
-    int epfd = pool.epfd;
-    pthread_mutex_unlock(&pool.mu);
-    if (rc != FMC_OK)
-        return rc;
     struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT, .data.ptr = cs};
-    return epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) == 0 ? FMC_OK : FMC_ERR_SOCKET;
+    if (epoll_ctl(pool.epfd, op, fd, &ev) == 0)
+        return FMC_OK;
+    fmc_set_error("epoll_ctl: %s", strerror(errno));
+    return FMC_ERR_SOCKET;
 }
 
-int fmc_serve_pool_rearm(fmc_conn_state *cs, int fd)
-{
-    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT, .data.ptr = cs};
-    return epoll_ctl(pool.epfd, EPOLL_CTL_MOD, fd, &ev) == 0 ? FMC_OK : FMC_ERR_SOCKET;
-}
+int fmc_serve_pool_add(fmc_conn_state *cs, int fd) { return watch(cs, fd, EPOLL_CTL_ADD); }
+
+int fmc_serve_pool_rearm(fmc_conn_state *cs, int fd) { return watch(cs, fd, EPOLL_CTL_MOD); }
 
 void fmc_serve_pool_counts(int *workers, int *cap)
 {

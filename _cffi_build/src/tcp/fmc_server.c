@@ -1,7 +1,7 @@
 /* Target side of the native data plane: one accept thread per engine; inbound connections are
  * served by the process's serve pool (fmc_serve_pool.c), one worker at a time per connection
- * while it has input (Mooncake's framing keeps a thread per connection).  Every request is checked against the registry (range and key) before a byte is touched;
- * writes go straight into registered memory and are answered after they land; reads are sent
+ * while it has input (Mooncake's framing keeps a thread per connection).  Every request is
+ * checked against the registry (range and key) before a byte is touched; writes go straight into registered memory and are answered after they land; reads are sent
  * straight from registered memory.  Answers are gathered and flushed when the input runs dry. */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -20,7 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"
@@ -56,12 +55,6 @@ static int is_far_end(int theirs, const sock_name *local, const sock_name *peer)
 
 void fmc_zc_fence_attach(fmc_peer *p, fmc_stream *const *streams, int n)
 {
-    for (int i = 0; i < n; i++) {
-        pthread_mutex_lock(&streams[i]->mu);
-        streams[i]->zc_link = 0;
-        streams[i]->target_fd = -1;
-        pthread_mutex_unlock(&streams[i]->mu);
-    }
     if (n == 0 || p->owner_pid <= 0 || !fmc_zc_enabled(p->engine))
         return;
     int pidfd = fmc_pidfd_open(p->owner_pid);
@@ -92,14 +85,11 @@ void fmc_zc_fence_attach(fmc_peer *p, fmc_stream *const *streams, int n)
         int theirs = fmc_pidfd_getfd(pidfd, (int)fdn);
         if (theirs < 0)
             continue; /* not allowed (then no other fd is either), or gone meanwhile */
-        struct stat sb;
-        if (fstat(theirs, &sb) == 0 && S_ISSOCK(sb.st_mode)) {
-            for (int i = 0; i < n; i++) {
-                if (found[i] == -1 && is_far_end(theirs, &local[i], &peer[i])) {
-                    found[i] = (int)fdn;
-                    missing--;
-                    break;
-                }
+        for (int i = 0; i < n; i++) {
+            if (found[i] == -1 && is_far_end(theirs, &local[i], &peer[i])) {
+                found[i] = (int)fdn;
+                missing--;
+                break;
             }
         }
         close(theirs);
