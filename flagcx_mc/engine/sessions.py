@@ -123,7 +123,10 @@ class SessionCache:
             del self._open[name]
             session.released = True
             gone.append(session)
-            log.debug("session %s closed: %s", name, "its connections broke" if broken else "idle")
+            if broken:  # the same warning a call's failure gives: a peer went away
+                log.warning("session %s evicted: its connections broke", name)
+            else:
+                log.debug("session %s closed: idle", name)
         return gone
 
     async def close(self) -> None:
