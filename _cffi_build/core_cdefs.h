@@ -133,6 +133,10 @@ int fmc_peer_set_protocol(fmc_peer *peer, int proto);
  * connection.  fmc_serve_pool_counts: its threads now and its cap. */
 int fmc_serve_pool_set_threads(int n);
 void fmc_serve_pool_counts(int *workers, int *cap);
+/* The process's I/O pool (the send and receive sides of every engine's outbound streams): as
+ * many threads not blocked on a stalled peer at most, the same default. */
+int fmc_io_pool_set_threads(int n);
+void fmc_io_pool_counts(int *workers, int *cap);
 int fmc_peer_set_owner_pid(fmc_peer *peer, int pid);
 int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32_t *slots,
                               const uint32_t *gens, int n);

@@ -48,13 +48,23 @@ def _apply_process_settings() -> None:
     if settings.trace_file and lib.fmc_trace_configure(settings.trace_file.encode(), settings.trace_events) == 0:
         log.info("the core's event trace goes to %s.<pid>", settings.trace_file)
     lib.fmc_serve_pool_set_threads(settings.serve_threads)
+    lib.fmc_io_pool_set_threads(settings.io_threads)
+
+
+def _pool_counts(counts: Any) -> tuple[int, int]:
+    workers, cap = ffi.new("int *"), ffi.new("int *")
+    counts(workers, cap)
+    return int(workers[0]), int(cap[0])
 
 
 def serve_pool() -> tuple[int, int]:
     """(threads, cap) of the process's pool that serves inbound data connections."""
-    workers, cap = ffi.new("int *"), ffi.new("int *")
-    lib.fmc_serve_pool_counts(workers, cap)
-    return int(workers[0]), int(cap[0])
+    return _pool_counts(lib.fmc_serve_pool_counts)
+
+
+def io_pool() -> tuple[int, int]:
+    """(threads, cap) of the process's pool that runs outbound streams' send and receive sides."""
+    return _pool_counts(lib.fmc_io_pool_counts)
 
 
 def core_version() -> str:
@@ -257,6 +267,7 @@ class CoreEngine:
         out: dict = {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
         out["cuda_contexts"], out["cuda_context_uuids"] = cuda_contexts()
         out["serve_threads"], out["serve_threads_cap"] = serve_pool()  # the process's, shared
+        out["io_threads"], out["io_threads_cap"] = io_pool()
         return out
 
     def drain_log(self) -> list[str]:

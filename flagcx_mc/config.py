@@ -231,23 +231,32 @@ class ProcessSettings:
     the binding is imported: ``FLAGCX_MC_LIBCUDA`` (the CUDA driver library to load instead of
     ``libcuda.so.1``), ``FMC_TRACE_FILE`` and ``FMC_TRACE_EVENTS`` (where a core built with
     ``-DFMC_TRACE`` writes its event trace at exit, ``<file>.<pid>``, and how many events it
-    keeps; ignored by other builds) and ``FLAGCX_MC_SERVE_THREADS`` (the most threads that
-    serve inbound data connections, shared by every engine of the process; 0 or unset: twice
-    the CPUs it may use, at least 4)."""
+    keeps; ignored by other builds), ``FLAGCX_MC_SERVE_THREADS`` (the most threads that serve
+    inbound data connections, shared by every engine of the process) and
+    ``FLAGCX_MC_IO_THREADS`` (the most threads that run the send and receive sides of every
+    engine's outbound streams, not counting those waiting on a stalled peer).  For both, 0 or
+    unset: twice the CPUs the process may use, at least 4."""
 
     cuda_driver: str | None = None
     trace_file: str | None = None
     trace_events: int = 0  # 0: the core's default (1M)
     serve_threads: int = 0  # 0: the core's default
+    io_threads: int = 0  # 0: the core's default
 
     @classmethod
     def from_env(cls) -> ProcessSettings:
         events = _env_number("FMC_TRACE_EVENTS", int)
-        serve = _env_number("FLAGCX_MC_SERVE_THREADS", int)
         return cls(cuda_driver=os.environ.get("FLAGCX_MC_LIBCUDA") or None,
                    trace_file=os.environ.get("FMC_TRACE_FILE") or None,
                    trace_events=events if events is not None and events > 0 else 0,
-                   serve_threads=min(4096, int(serve)) if serve is not None and serve > 0 else 0)
+                   serve_threads=_thread_cap("FLAGCX_MC_SERVE_THREADS"),
+                   io_threads=_thread_cap("FLAGCX_MC_IO_THREADS"))
+
+
+def _thread_cap(name: str) -> int:
+    """A pool's cap from the environment: 0 (the core's default) unless a positive number."""
+    n = _env_number(name, int)
+    return min(4096, int(n)) if n is not None and n > 0 else 0
 
 
 # TCP_RTO_MIN_US and TCP_DELACK_MAX_US: Linux takes 1 ms (rounded up to its timer tick, and

@@ -21,7 +21,7 @@ from flagcx_mc._testing.node import NodeProcess
 
 MIB = 1 << 20
 IDLE = 0.5  # idle_session_timeout of these tests' engines
-RELEASED_WITHIN = IDLE + 3.0  # the sweep runs once a second; closing joins the streams' threads
+RELEASED_WITHIN = IDLE + 3.0  # the sweep runs once a second; the I/O pool's extra threads end after 2 s idle
 
 
 def resources() -> tuple[int, int]:
@@ -55,7 +55,7 @@ def open_engine(**settings) -> tuple[TransferEngine, HostBuffer]:
 
 @pytest.mark.timeout(60)
 def test_an_idle_session_closes_its_connections_and_opens_again_on_next_use():
-    """After a verified write the session holds streams (threads, sockets) here and connections
+    """After a verified write the session holds streams (sockets) here and connections
     at the target; unused for IDLE seconds it lets all of them go; the next write opens it again
     and lands, with no error, and that, three times over.  The count to return to is taken after
     a first session came and went: executor threads that opening and closing sessions start once
@@ -74,7 +74,8 @@ def test_an_idle_session_closes_its_connections_and_opens_again_on_next_use():
         for round_ in range(3):
             write_verified(eng, buf, target)
             busy = resources()
-            assert busy[0] > base[0] and busy[1] > base[1], f"round {round_}: no session seen: {base} -> {busy}"
+            # Its streams run on the process's I/O pool: a session shows as sockets, not threads.
+            assert busy[1] > base[1], f"round {round_}: no session seen: {base} -> {busy}"
             assert target.call("stats")["server_connections"] >= 4
             now = wait_until_back_to(base, RELEASED_WITHIN)
             assert now[0] <= base[0] and now[1] <= base[1], f"round {round_}: not released: {base} -> {busy} -> {now}"
@@ -177,7 +178,7 @@ def test_a_peer_that_dies_or_restarts_while_idle_leaves_nothing_behind():
                 time.sleep(2.5)
                 base = resources()
             now = wait_until_back_to(base, 5.0)
-            assert busy[0] > now[0] and busy[1] > now[1], f"round {round_}: no session seen: {busy} -> {now}"
+            assert busy[1] > now[1], f"round {round_}: no session seen: {busy} -> {now}"
             assert now[0] <= base[0] and now[1] <= base[1], f"a dead peer's session left {base} -> {now}"
             target = pinned_node(port, [4 * MIB])
         write_verified(eng, buf, target)

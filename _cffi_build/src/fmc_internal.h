@@ -58,7 +58,7 @@ int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (engine/fmc_batch.
  * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
 /* A send deadline that means: never block; what the socket does not take now goes to the
- * stream's sender thread (fmc_transfer_start). */
+ * stream's send side (fmc_transfer_start). */
 #define FMC_INLINE_NOWAIT (-2)
 /* fmc_spin_us, or 0 after a transfer that is not small. */
 int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes);
@@ -482,20 +482,26 @@ typedef struct fmc_stream {
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
     int handoff;              /* an inline round that could not block left its rest to the sender thread */
-    /* The receive side is owned by the receiver thread, except while a synchronous caller reads
-     * its own answers (`caller_recv`).  While nothing is in flight, or a caller owns it, the
-     * thread parks in poll() on wake_fd and on the socket for POLLRDHUP only: data arriving
-     * wakes nobody (poll wakes only for the events asked), a peer closing an idle stream does.
-     * After a bulk batch it also asks for POLLIN (`recv_in`): the next batch's answers then wake
-     * it themselves, and senders need not wake it before their first byte leaves (a wake-up
-     * that on a 2-core machine came at the cost of the threads moving the bytes); small calls
-     * keep the quiet parking, so that their callers can claim their own answers. */
+    /* Both sides of the stream run on the process's I/O pool (fmc_stream.c) as two roles, each
+     * taken by a worker once the socket has what it waits for and handed back (the socket
+     * watched again) when it would block: threads follow the streams moving bytes now, not
+     * the streams that exist.  The receive side watches for EPOLLRDHUP while nothing is in
+     * flight (a peer closing an idle stream kills it) and for EPOLLIN once answers are due;
+     * while a synchronous caller reads its own answers (`caller_recv`) nobody watches.  After a
+     * bulk batch it keeps watching EPOLLIN, so the next batch's answers wake it themselves and
+     * senders need not re-watch the socket before their first byte leaves; small calls keep
+     * the quiet watch, so that their callers can claim their own answers.  The send side is
+     * armed (EPOLLOUT) while slices wait and no caller sends them itself, or while a round
+     * waits for room in the socket. */
     fmc_reader rd;            /* answers read so far; used only by the receive side's owner */
-    int wake_fd;              /* eventfd: work in flight, the receive side handed back, or death */
-    int recv_parked;          /* the receiver thread is parked */
-    int recv_blind;           /* parked without watching the socket (a caller owned it) */
+    struct fmc_io_handle *io; /* what the pool's events and timers name: it outlives the stream */
+    int rx_state, tx_state;   /* FMC_ROLE_* */
+    uint32_t rx_events;       /* what an armed receive side waits for */
+    uint32_t watched;         /* what the socket is watched for now (0: nothing, or it fired) */
+    int roles_alive;          /* sides still on the connection */
+    int leaving;              /* the last side out is settling the slices the stream held */
+    struct rx_ring *rx_gpu;   /* the receive side's GPU landing pipeline (made with the stream) */
     int caller_recv;          /* a caller owns the receive side */
-    int recv_in;              /* parked watching the socket for answers (POLLIN) */
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
@@ -508,10 +514,10 @@ typedef struct fmc_stream {
     int reconnecting;         /* dead, but the sender is connecting again (slices may queue) */
     uint64_t token;           /* this connection's name at the target, for fences (0: none) */
     int target_fd;            /* the same-host target's fd of this connection, -1 unknown (fmc_zc_fence.c) */
-    int threads_alive;
-    int started;
-    pthread_t send_thread, recv_thread;
 } fmc_stream;
+
+/* A side of a stream (fmc_stream's rx_state, tx_state). */
+enum { FMC_ROLE_OFF, FMC_ROLE_ARMED, FMC_ROLE_RUNNING, FMC_ROLE_DONE };
 
 /* Reconnect a stream cut by a cancel (fmc_peer_connect.c), with the target told to let go of
  * the old connection first; FMC_OK once the stream's socket is usable again. */
@@ -597,7 +603,11 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
 void fmc_stream_caller_receive(fmc_stream *st, struct fmc_batch *b, int64_t until_us);
 int fmc_slice_cancelled(const fmc_slice *s);
 void fmc_stream_cut(fmc_stream *st);
-void *fmc_stream_send_main(void *arg);
-void *fmc_stream_recv_main(void *arg);
+/* A connected stream's sides start on the I/O pool (fd set, dead clear); once a closing peer
+ * killed it, fmc_stream_wait_gone returns when both sides have left, and fmc_stream_release
+ * frees what the stream owns. */
+int fmc_stream_start(fmc_stream *st);
+void fmc_stream_wait_gone(fmc_stream *st);
+void fmc_stream_release(fmc_stream *st);
 
 #endif

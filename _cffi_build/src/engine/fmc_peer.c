@@ -49,9 +49,9 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         st->index = i;
         st->fd = -1;
         st->dead = 1; /* until connected */
+        st->rx_state = st->tx_state = FMC_ROLE_DONE;
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
-        st->wake_fd = -1;
         st->zc_pipe[0] = st->zc_pipe[1] = -1;
         st->target_fd = -1;
     }
@@ -494,8 +494,7 @@ void fmc_peer_release(fmc_peer *p)
         free(p->streams[i].scratch);
         fmc_zc_pipe_close(p->streams[i].zc_pipe);
         fmc_reader_free(&p->streams[i].rd);
-        if (p->streams[i].wake_fd >= 0)
-            close(p->streams[i].wake_fd);
+        fmc_stream_release(&p->streams[i]);
         pthread_mutex_destroy(&p->streams[i].mu);
         pthread_cond_destroy(&p->streams[i].cv);
     }

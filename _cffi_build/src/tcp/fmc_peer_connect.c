@@ -3,7 +3,6 @@
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -191,8 +190,7 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
     int nzc = 0;
     for (int i = 0; i < p->nstreams; i++) {
         fmc_stream *st = &p->streams[i];
-        st->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-        if (st->wake_fd < 0 || fmc_reader_init(&st->rd, fds[i], 64u << 10) != 0) {
+        if (fmc_reader_init(&st->rd, fds[i], 64u << 10) != 0) {
             close(fds[i]);
             continue; /* the stream stays dead: the peer is not healthy */
         }
@@ -202,7 +200,6 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
         st->fd = fds[i];
         st->token = tokens[i];
         st->dead = 0;
-        st->threads_alive = 2;
         pthread_mutex_unlock(&st->mu);
         if (p->proto == FMC_PROTO_NATIVE && fmc_socket_is_local(fds[i]))
             zc[nzc++] = st;
@@ -212,24 +209,14 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
         fmc_stream *st = &p->streams[i];
         if (st->fd < 0)
             continue;
-        if (pthread_create(&st->send_thread, NULL, fmc_stream_send_main, st) != 0) {
-            st->threads_alive = 0;
-            fmc_stream_kill(st);
-            continue;
-        }
-        if (pthread_create(&st->recv_thread, NULL, fmc_stream_recv_main, st) != 0) {
-            fmc_stream_kill(st);
-            pthread_join(st->send_thread, NULL);
-            st->threads_alive = 0;
-            continue;
-        }
-        st->started = 1;
+        if (fmc_stream_start(st) != FMC_OK)
+            fmc_stream_kill(st); /* no side runs it: the peer is not healthy, and close closes fd */
     }
     return fmc_peer_is_healthy(p) ? FMC_OK : FMC_ERR_MEMORY;
 }
 
-/* Connect a stream cut by a cancel again.  Called by its sender thread once both threads have
- * left the old connection (so the stream's socket state is this thread's alone), with the cut
+/* Connect a stream cut by a cancel again.  Called by the last of its sides to leave the old
+ * connection (so the stream's socket state is this worker's alone), with the cut
  * connection fenced at the target first.  A peer being closed interrupts it: the kill shuts the
  * socket being set up down.  Connecting is tried for the peer's connect timeout. */
 int fmc_stream_reconnect(fmc_stream *st)
@@ -302,10 +289,7 @@ void fmc_peer_close(fmc_peer *p)
     for (int i = 0; i < p->nstreams; i++) {
         fmc_stream *st = &p->streams[i];
         fmc_stream_kill(st);
-        if (st->started) {
-            pthread_join(st->send_thread, NULL);
-            pthread_join(st->recv_thread, NULL);
-        }
+        fmc_stream_wait_gone(st);
         pthread_mutex_lock(&st->mu);
         if (st->fd >= 0)
             close(st->fd);

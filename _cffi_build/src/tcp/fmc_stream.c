@@ -1,6 +1,7 @@
-/* Initiator side, one data stream: a sender thread gathers queued slices into sendmsg (or the
- * calling thread sends them itself when the stream is idle), a receiver thread consumes answers
- * in order and reads read-payloads straight into local memory.  A slice is only declared
+/* Initiator side, one data stream: a send side gathers queued slices into sendmsg (or the
+ * calling thread sends them itself when the stream is idle), a receive side consumes answers in
+ * order and reads read-payloads straight into local memory.  Both sides run on the process's
+ * I/O pool (fmc_worker_pool.c) rather than on threads of their own.  A slice is only declared
  * finished once no thread touches its memory any more: that is what lets a timed-out call
  * return with its buffers free.  A peer's streams are set up in fmc_peer.c, connected and
  * closed by fmc_peer_connect.c. */
@@ -8,15 +9,17 @@
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
-#include <signal.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"
 #include "fmc_mooncake.h"
 #include "fmc_wire.h"
+#include "fmc_worker_pool.h"
 
 static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
 {
@@ -30,11 +33,76 @@ static void list_append(fmc_slice_list *dst, fmc_slice_list *src)
     src->head = src->tail = NULL;
 }
 
-static void wake_receiver(fmc_stream *st)
+/* Reads into GPU memory land through staging chunks, pipelined: a piece of an answer (at most
+ * one chunk of GPU payloads, one device) is received into a chunk, its scatter to the GPU queued
+ * and fenced, and the receiver goes on reading while it runs.  Pieces land (fence waited for,
+ * chunk back to the pool) in answer order: when FMC_STAGE_DEPTH are pending, when a chunk is
+ * needed and none is free, before an answer that does not go through staging, and before the
+ * thread parks or exits.  A piece that ends an answer carries its slices, which stay on
+ * st->receiving (so a cancel cuts the stream) until it lands: only then do they finish. */
+typedef struct {
+    fmc_chunk *chunk;
+    fmc_fence fence;
+    int failed;       /* its copy could not be queued */
+    fmc_slice *first; /* the answer's slices, when this piece ends it (NULL otherwise) */
+    int nslices;
+} rx_piece;
+
+typedef struct rx_ring {
+    rx_piece p[FMC_STAGE_DEPTH];
+    int head, count;
+    int failed; /* a piece of the answer being landed failed: its GPU slices fail */
+} rx_ring;
+
+/* What the pool's events and timers name: one per stream, never freed (a worker may still hold
+ * an event of a stream that is gone), reused by the next stream once its own is released. */
+typedef struct fmc_io_handle {
+    pthread_mutex_t mu;
+    fmc_stream *st;           /* NULL while no stream uses it */
+    fmc_pool_timer ack_timer; /* zero-copy acknowledgements owed by an idle stream */
+    struct fmc_io_handle *next_free;
+} fmc_io_handle;
+
+static void stream_event(void *owner, uint32_t events);
+static fmc_worker_pool io_pool = FMC_WORKER_POOL_INIT("io", stream_event, 2);
+static pthread_mutex_t handles_mu = PTHREAD_MUTEX_INITIALIZER;
+static fmc_io_handle *free_handles;
+
+int fmc_io_pool_set_threads(int n) { return fmc_pool_set_cap(&io_pool, n); }
+
+void fmc_io_pool_counts(int *workers, int *cap) { fmc_pool_counts(&io_pool, workers, cap); }
+
+/* Watch the socket for what the armed sides wait for (st->mu held).  A watch still set for the
+ * same events is left alone, so a small call that finds its stream idle costs no syscall. */
+static void watch_locked(fmc_stream *st)
 {
-    uint64_t one = 1;
-    if (st->wake_fd >= 0 && write(st->wake_fd, &one, sizeof one) < 0) {
-        /* EAGAIN only: the counter is already non-zero, so the receiver wakes anyway */
+    uint32_t want = 0;
+    if (st->rx_state == FMC_ROLE_ARMED)
+        want |= st->rx_events;
+    if (st->tx_state == FMC_ROLE_ARMED)
+        want |= EPOLLOUT;
+    if (!want || st->fd < 0 || st->watched == want)
+        return;
+    if (fmc_pool_watch(&io_pool, st->fd, st->io, want, EPOLL_CTL_MOD) == FMC_OK)
+        st->watched = want;
+}
+
+/* The send side has work (slices, an acknowledgement, a death to see): a worker takes it as soon
+ * as the socket has room.  A side already running or armed sees the work itself. */
+static void tx_kick_locked(fmc_stream *st)
+{
+    if (st->tx_state == FMC_ROLE_OFF) {
+        st->tx_state = FMC_ROLE_ARMED;
+        watch_locked(st);
+    }
+}
+
+/* Answers will come: the receive side, parked on its quiet watch, watches for them. */
+static void rx_expect_answers_locked(fmc_stream *st)
+{
+    if (st->rx_state == FMC_ROLE_ARMED && !(st->rx_events & EPOLLIN)) {
+        st->rx_events |= EPOLLIN;
+        watch_locked(st);
     }
 }
 
@@ -49,95 +117,184 @@ static void split_cancelled(fmc_slice_list *left, fmc_slice_list *gone, fmc_slic
     left->head = left->tail = NULL;
 }
 
-/* Called by each stream thread as it leaves its connection.  The last one out closes the socket
- * (after which neither thread can touch slice memory any more) and settles what the stream held:
- * a stream cut by a cancel (fmc_stream_cut) keeps its innocent slices queued and reconnects, the
- * cancelled ones end with FMC_ERR_TIMEOUT; a stream that broke fails everything.  Returns 1 if
- * this thread carries on with the reconnected stream (the sender reconnects, see
- * fmc_stream_send_main; the receiver waits for it), 0 if it ends. */
-static int stream_thread_exit(fmc_stream *st)
+static void stream_come_back(fmc_stream *st);
+static void ack_timer_fire(fmc_pool_timer *t);
+static int ack_due(const fmc_stream *st);
+
+/* Both sides start on the stream's connection (st->mu held): the receive side on its quiet
+ * watch, or watching for answers if an inline caller already sent on a reconnected stream; the
+ * send side armed if work waits. */
+static int roles_start_locked(fmc_stream *st)
+{
+    st->roles_alive = 2;
+    st->rx_state = FMC_ROLE_ARMED;
+    st->rx_events = EPOLLRDHUP | (st->inflight.head ? EPOLLIN : 0);
+    st->tx_state = st->pending.head || st->handoff || ack_due(st) ? FMC_ROLE_ARMED : FMC_ROLE_OFF;
+    st->watched = st->rx_events | (st->tx_state == FMC_ROLE_ARMED ? EPOLLOUT : 0);
+    int rc = fmc_pool_watch(&io_pool, st->fd, st->io, st->watched, EPOLL_CTL_ADD);
+    if (rc != FMC_OK) {
+        st->roles_alive = 0;
+        st->rx_state = st->tx_state = FMC_ROLE_DONE;
+        st->watched = 0;
+    }
+    return rc;
+}
+
+int fmc_stream_start(fmc_stream *st)
+{
+    int rc = fmc_pool_start(&io_pool);
+    if (rc != FMC_OK)
+        return rc;
+    if (!st->rx_gpu && !(st->rx_gpu = calloc(1, sizeof *st->rx_gpu)))
+        return FMC_ERR_MEMORY;
+    if (!st->io) {
+        pthread_mutex_lock(&handles_mu);
+        fmc_io_handle *h = free_handles;
+        if (h)
+            free_handles = h->next_free;
+        pthread_mutex_unlock(&handles_mu);
+        if (!h && (h = calloc(1, sizeof *h))) {
+            pthread_mutex_init(&h->mu, NULL);
+            h->ack_timer.fire = ack_timer_fire;
+        }
+        if (!h)
+            return FMC_ERR_MEMORY;
+        pthread_mutex_lock(&h->mu);
+        h->st = st;
+        pthread_mutex_unlock(&h->mu);
+        st->io = h;
+    }
+    pthread_mutex_lock(&st->mu);
+    rc = roles_start_locked(st);
+    pthread_mutex_unlock(&st->mu);
+    return rc;
+}
+
+void fmc_stream_wait_gone(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    while (st->roles_alive > 0 || st->reconnecting || st->leaving)
+        pthread_cond_wait(&st->cv, &st->mu);
+    pthread_mutex_unlock(&st->mu);
+}
+
+void fmc_stream_release(fmc_stream *st)
+{
+    fmc_io_handle *h = st->io;
+    if (h) {
+        pthread_mutex_lock(&h->mu); /* a worker holding one of its events waits, then finds no stream */
+        h->st = NULL;
+        pthread_mutex_unlock(&h->mu);
+        fmc_pool_timer_cancel(&io_pool, &h->ack_timer);
+        pthread_mutex_lock(&handles_mu);
+        h->next_free = free_handles;
+        free_handles = h;
+        pthread_mutex_unlock(&handles_mu);
+        st->io = NULL;
+    }
+    if (st->rx_gpu) {
+        for (int i = 0; i < FMC_STAGE_DEPTH; i++)
+            fmc_cuda_fence_free(&st->rx_gpu->p[i].fence);
+        free(st->rx_gpu);
+        st->rx_gpu = NULL;
+    }
+}
+
+/* A side leaves its connection (it broke, was cut, or the peer is closing): `state` becomes
+ * DONE.  The first out shuts the socket down and has the other side see it; the last one out
+ * closes the socket (after which nothing can touch slice memory through it) and settles what
+ * the stream held: a stream cut by a cancel (fmc_stream_cut) keeps its innocent slices queued
+ * and reconnects (this worker, see stream_come_back), the cancelled ones end with
+ * FMC_ERR_TIMEOUT; a stream that broke fails everything. */
+static void role_exit(fmc_stream *st, int *state)
 {
     fmc_slice_list left = {0}, gone = {0};
     int status = FMC_ERR_SOCKET;
     pthread_mutex_lock(&st->mu);
+    *state = FMC_ROLE_DONE;
     if (!st->dead) {
         st->dead = 1;
         if (st->fd >= 0)
             shutdown(st->fd, SHUT_RDWR);
     }
     pthread_cond_broadcast(&st->cv);
-    wake_receiver(st);
-    if (--st->threads_alive == 0) {
-        /* An inline sender still in sendmsg, or a caller reading its own answers: shutdown ends
-         * either soon, and neither may find the socket closed (or reconnected) under it. */
-        while (st->sending_active || st->caller_recv)
-            pthread_cond_wait(&st->cv, &st->mu);
-        /* Neither thread uses the socket any more: close it now, abortively.  After shutdown()
-         * the receiver drains what is queued and a plain close() then sends only a FIN while our
-         * window stays shut, which leaves a target blocked in sendmsg (read answers) on a
-         * CLOSE-WAIT socket for minutes; the RST ends it at once.  Spliced write payloads still
-         * queued at a same-host target are taken back first (fmc_zc_fence.c).  kill/close read
-         * fd under mu. */
-        if (st->fd >= 0) {
-            fmc_zc_fence_close(st);
-            st->fd = -1;
-        }
-        fmc_zc_pipe_close(st->zc_pipe); /* pages spliced into it and never sent */
-        list_append(&left, &st->receiving);
-        list_append(&left, &st->inflight);
-        list_append(&left, &st->answered); /* empty in practice: the sender drains it */
-        list_append(&left, &st->pending);
-        st->zc_owed = 0;
-        st->zc_ack_idle = 0;
-        if (st->restart && !__atomic_load_n(&st->peer->closed, __ATOMIC_ACQUIRE)) {
-            split_cancelled(&left, &gone, &st->pending);
-            st->reconnecting = 1;
-            status = FMC_ERR_TIMEOUT;
-        }
-        __atomic_store_n(&st->restart, 0, __ATOMIC_RELEASE); /* after reconnecting: health reads both */
-        pthread_cond_broadcast(&st->cv);
+    if (--st->roles_alive > 0) {
+        tx_kick_locked(st); /* the shut-down socket wakes an armed side at once */
+        rx_expect_answers_locked(st);
+        pthread_mutex_unlock(&st->mu);
+        return;
     }
-    while (st->threads_alive > 0) /* the other thread is still on the old connection */
+    /* An inline sender still in sendmsg, or a caller reading its own answers: shutdown ends
+     * either soon, and neither may find the socket closed (or reconnected) under it. */
+    fmc_pool_blocking_begin();
+    while (st->sending_active || st->caller_recv)
         pthread_cond_wait(&st->cv, &st->mu);
-    int carry_on = st->reconnecting;
+    fmc_pool_blocking_end();
+    /* Nobody uses the socket any more: close it now, abortively.  After shutdown() the
+     * receive side drains what is queued and a plain close() then sends only a FIN while our
+     * window stays shut, which leaves a target blocked in sendmsg (read answers) on a
+     * CLOSE-WAIT socket for minutes; the RST ends it at once.  Spliced write payloads still
+     * queued at a same-host target are taken back first (fmc_zc_fence.c).  kill/close read fd
+     * under mu. */
+    if (st->fd >= 0) {
+        fmc_zc_fence_close(st);
+        st->fd = -1;
+    }
+    st->watched = 0;
+    fmc_zc_pipe_close(st->zc_pipe); /* pages spliced into it and never sent */
+    list_append(&left, &st->receiving);
+    list_append(&left, &st->inflight);
+    list_append(&left, &st->answered); /* empty in practice: the send side drains it */
+    list_append(&left, &st->pending);
+    st->zc_owed = 0;
+    st->zc_ack_idle = 0;
+    if (st->restart && !__atomic_load_n(&st->peer->closed, __ATOMIC_ACQUIRE)) {
+        split_cancelled(&left, &gone, &st->pending);
+        st->reconnecting = 1;
+        status = FMC_ERR_TIMEOUT;
+    }
+    __atomic_store_n(&st->restart, 0, __ATOMIC_RELEASE); /* after reconnecting: health reads both */
+    int again = st->reconnecting;
+    st->leaving = !again;
     pthread_mutex_unlock(&st->mu);
     fmc_slices_finish(gone.head, FMC_ERR_TIMEOUT);
     fmc_slices_finish(left.head, status);
-    return carry_on;
+    if (again) {
+        stream_come_back(st);
+        return;
+    }
+    pthread_mutex_lock(&st->mu);
+    st->leaving = 0;
+    pthread_cond_broadcast(&st->cv); /* a closing peer may free the stream once this is let go */
+    pthread_mutex_unlock(&st->mu);
 }
 
-/* The sender, once both threads left a cut connection: connect again and let both threads carry
- * on, or end the stream (its queued slices fail) if the peer cannot be reached in time or is
- * being closed.  Returns 1 if the stream is alive again. */
-static int stream_come_back(fmc_stream *st)
+/* The last side out of a cut connection: connect again and start both sides, or end the stream
+ * (its queued slices fail) if the peer cannot be reached in time or is being closed. */
+static void stream_come_back(fmc_stream *st)
 {
+    fmc_pool_blocking_begin();
     int alive = fmc_stream_reconnect(st) == FMC_OK;
+    fmc_pool_blocking_end();
     fmc_slice_list left = {0};
     pthread_mutex_lock(&st->mu);
     st->reconnecting = 0;
     if (alive) {
-        st->peer->engine->stat_streams_reconnected++;
-        st->threads_alive = 2;
-        if (st->pending.head)
-            wake_receiver(st);
-    } else {
-        list_append(&left, &st->pending);
+        st->rx_gpu->failed = 0; /* a failed piece of an answer the old connection broke off fails nothing here */
+        alive = roles_start_locked(st) == FMC_OK;
+        if (!alive) {
+            st->dead = 1;
+            close(st->fd);
+            st->fd = -1;
+        }
     }
+    if (alive)
+        st->peer->engine->stat_streams_reconnected++;
+    else
+        list_append(&left, &st->pending);
     pthread_cond_broadcast(&st->cv);
     pthread_mutex_unlock(&st->mu);
     fmc_slices_finish(left.head, FMC_ERR_SOCKET);
-    return alive;
-}
-
-/* The receiver, once both threads left a cut connection: 1 once the sender has connected again. */
-static int stream_wait_comeback(fmc_stream *st)
-{
-    pthread_mutex_lock(&st->mu);
-    while (st->reconnecting)
-        pthread_cond_wait(&st->cv, &st->mu);
-    int alive = !st->dead;
-    pthread_mutex_unlock(&st->mu);
-    return alive;
 }
 
 static void kill_locked(fmc_stream *st)
@@ -146,7 +303,8 @@ static void kill_locked(fmc_stream *st)
     if (st->fd >= 0)
         shutdown(st->fd, SHUT_RDWR);
     pthread_cond_broadcast(&st->cv);
-    wake_receiver(st);
+    tx_kick_locked(st); /* both sides leave: the shut-down socket wakes an armed one at once */
+    rx_expect_answers_locked(st);
 }
 
 void fmc_stream_kill(fmc_stream *st)
@@ -169,7 +327,7 @@ void fmc_stream_cut(fmc_stream *st)
     pthread_mutex_unlock(&st->mu);
 }
 
-/* Remember whether the batch now queued is bulk (see fmc_stream's recv_in). */
+/* Remember whether the batch now queued is bulk (see fmc_stream's rx_events). */
 static void note_batch_size(fmc_stream *st, const fmc_slice_list *list)
 {
     if (list->head)
@@ -185,7 +343,8 @@ int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list)
     }
     note_batch_size(st, list);
     list_append(&st->pending, list);
-    pthread_cond_signal(&st->cv);
+    if (!st->sending_active) /* else the round's end sees it */
+        tx_kick_locked(st);
     pthread_mutex_unlock(&st->mu);
     return FMC_OK;
 }
@@ -204,11 +363,28 @@ static int ack_due(const fmc_stream *st)
 }
 
 /* The receive side, with st->mu held: an acknowledgement due while no round is running goes out
- * from the sender thread (a running round's end sees it and wakes that thread). */
+ * from the send side (a running round's end sees it). */
 static void send_ack_if_due_locked(fmc_stream *st)
 {
     if (ack_due(st) && !st->sending_active)
-        pthread_cond_signal(&st->cv);
+        tx_kick_locked(st);
+}
+
+/* An idle stream that owes acknowledgements sends them ZC_ACK_IDLE_MS after it went idle. */
+static void ack_timer_fire(fmc_pool_timer *t)
+{
+    fmc_io_handle *h = (fmc_io_handle *)((char *)t - offsetof(fmc_io_handle, ack_timer));
+    pthread_mutex_lock(&h->mu);
+    fmc_stream *st = h->st;
+    if (st) {
+        pthread_mutex_lock(&st->mu);
+        if (!st->dead && st->zc_owed) {
+            st->zc_ack_idle = 1;
+            send_ack_if_due_locked(st);
+        }
+        pthread_mutex_unlock(&st->mu);
+    }
+    pthread_mutex_unlock(&h->mu);
 }
 
 typedef struct send_scratch {
@@ -425,6 +601,7 @@ static int send_round_iov(fmc_stream *st, send_scratch *sc, int niov, int nw, in
  * in progress; returns with st->mu held.  The slices move
  * to `inflight` before the first byte leaves, because their answers may come back before
  * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
+#define POOL_NOWAIT (-3) /* send_round from the send side: as FMC_INLINE_NOWAIT */
 static int send_round(fmc_stream *st, int64_t deadline_ms)
 {
     if (!st->scratch && !(st->scratch = malloc(sizeof *st->scratch)))
@@ -506,12 +683,13 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             sc->writes[nw++] = s;
         }
     }
-    if (first_sent && st->recv_parked && !st->caller_recv && !st->recv_in)
-        wake_receiver(st); /* answers will come: before the first byte leaves */
+    if (first_sent)
+        rx_expect_answers_locked(st); /* before the first byte leaves */
     int fd = st->fd;
-    if (deadline_ms == FMC_INLINE_NOWAIT) {
-        /* A GPU source (staging waits on a copy) or a zero-copy payload goes whole to the sender
-         * thread; otherwise send what the socket takes now and leave it the rest. */
+    if (deadline_ms == FMC_INLINE_NOWAIT || deadline_ms == POOL_NOWAIT) {
+        /* A GPU source (staging waits on a copy) or a zero-copy payload goes whole to the send
+         * side, which sends it blocking; otherwise send what the socket takes now and leave the
+         * rest to the send side, which goes on once the socket has room. */
         int gpu = 0;
         for (int i = 0; i < nw; i++)
             gpu |= sc->writes[i]->local_dev >= 0;
@@ -526,7 +704,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         }
         if (rest_n == 0)
             return end_round(st, sc, nw, 0);
-        if (st->dead) /* the sender thread may be gone: the exit path fails the slices */
+        if (st->dead) /* the send side may be gone: the exit path fails the slices */
             return end_round(st, sc, nw, -1);
         sc->rest = rest;
         sc->rest_n = rest_n;
@@ -535,6 +713,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->rest_gpu = gpu;
         st->handoff = 1;
         pthread_cond_broadcast(&st->cv); /* an exit path may wait on cv too */
+        tx_kick_locked(st);
         return 0;
     }
     int gpu = 0;
@@ -557,10 +736,12 @@ static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc)
     for (int i = 0; i < nw; i++)
         sc->writes[i]->sending = 0;
     st->sending_active = 0;
-    /* Wake the sender thread only for queued work, and an exit path waiting to close fd: a
+    /* Wake the send side only for queued work, and an exit path waiting to close fd: a
      * needless wake-up per inline call costs the caller a context switch on a small machine. */
-    if (st->pending.head || st->dead || ack_due(st))
+    if (st->pending.head || st->dead || ack_due(st)) {
         pthread_cond_broadcast(&st->cv);
+        tx_kick_locked(st);
+    }
     if (st->answered.head) {
         fmc_slice *s = st->answered.head;
         st->answered.head = st->answered.tail = NULL;
@@ -571,59 +752,73 @@ static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc)
     return rc;
 }
 
-/* The rest of a round an inline caller left (send_round with FMC_INLINE_NOWAIT), with st->mu
- * held and sending_active still set by that round. */
+/* The rest of a round left to the send side (send_round's handoff), with st->mu held and
+ * sending_active still set by that round: GPU sources and zero-copy payloads are sent blocking,
+ * the rest as far as the socket takes it.  Returns what end_round does once the round is over,
+ * or SEND_WAIT while the socket has no room (the round stays handed off). */
+#define SEND_WAIT 1
 static int finish_handoff(fmc_stream *st)
 {
     send_scratch *sc = st->scratch;
+    int fd = st->fd, nw = sc->rest_nw, rc;
+    if (st->dead) {
+        rc = -1;
+    } else if (sc->rest_gpu || (sc->rest_nzc && stream_zc(st))) {
+        pthread_mutex_unlock(&st->mu);
+        fmc_pool_blocking_begin();
+        rc = sc->rest_gpu ? send_gpu_round(st, sc, sc->rest_n, nw, -1) /* nothing was sent: all of it */
+                          : send_zc(st, fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov));
+        fmc_pool_blocking_end();
+        pthread_mutex_lock(&st->mu);
+    } else {
+        pthread_mutex_unlock(&st->mu);
+        rc = fmc_sendv_nowait(fd, &sc->rest, &sc->rest_n);
+        pthread_mutex_lock(&st->mu);
+        if (rc == 0 && sc->rest_n > 0)
+            return SEND_WAIT;
+    }
     st->handoff = 0;
-    int fd = st->fd, nw = sc->rest_nw;
-    pthread_mutex_unlock(&st->mu);
-    int rc;
-    if (sc->rest_gpu) /* then nothing was sent: the whole round goes through the pipeline */
-        rc = send_gpu_round(st, sc, sc->rest_n, nw, -1);
-    else
-        rc = sc->rest_nzc && stream_zc(st)
-                 ? send_zc(st, fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov))
-                 : fmc_sendv_all(fd, sc->rest, sc->rest_n);
-    pthread_mutex_lock(&st->mu);
     return end_round(st, sc, nw, rc);
 }
 
-void *fmc_stream_send_main(void *arg)
+/* The send side, taken by a pool worker: rounds go out until nothing is queued or the socket
+ * is full (then the socket is watched for room), or the stream dies (the side leaves). */
+static void tx_run(fmc_stream *st)
 {
-    fmc_stream *st = arg;
-    /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
-     * process (EPIPE is enough); a signal left pending on this thread dies with it. */
-    sigset_t pipe_signal;
-    sigemptyset(&pipe_signal);
-    sigaddset(&pipe_signal, SIGPIPE);
-    pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
-    do {
-        pthread_mutex_lock(&st->mu);
-        for (;;) {
-            while (!st->handoff && !st->dead && ((!st->pending.head && !ack_due(st)) || st->sending_active))
-                pthread_cond_wait(&st->cv, &st->mu);
-            if (st->handoff) { /* before leaving too: the round's slices are `sending` until it ends */
-                if (finish_handoff(st) < 0)
-                    break;
-                continue;
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        if (st->handoff) { /* before leaving too: the round's slices are `sending` until it ends */
+            int rc = finish_handoff(st);
+            if (rc == SEND_WAIT) {
+                st->tx_state = FMC_ROLE_ARMED;
+                watch_locked(st);
+                pthread_mutex_unlock(&st->mu);
+                return;
             }
-            if (st->dead)
+            if (rc < 0)
                 break;
-            if (send_round(st, -1) < 0)
+            continue;
+        }
+        if (st->dead)
+            break;
+        if ((st->pending.head || ack_due(st)) && !st->sending_active) {
+            if (send_round(st, POOL_NOWAIT) < 0)
                 break;
+            continue;
         }
-        /* Dead from here on, before mu is let go: an inline round must not hand this thread its
-         * rest any more (send_round sees `dead`). */
-        if (!st->dead) {
-            st->dead = 1;
-            if (st->fd >= 0)
-                shutdown(st->fd, SHUT_RDWR);
-        }
+        st->tx_state = FMC_ROLE_OFF; /* an inline round in progress kicks it again at its end */
         pthread_mutex_unlock(&st->mu);
-    } while (stream_thread_exit(st) && stream_come_back(st));
-    return NULL;
+        return;
+    }
+    /* Dead from here on, before mu is let go: an inline round must not hand this side its rest
+     * any more (send_round sees `dead`). */
+    if (!st->dead) {
+        st->dead = 1;
+        if (st->fd >= 0)
+            shutdown(st->fd, SHUT_RDWR);
+    }
+    pthread_mutex_unlock(&st->mu);
+    role_exit(st, &st->tx_state);
 }
 
 /* Queue `list` and, when the stream is idle, send it from the calling thread: a small transfer
@@ -645,18 +840,19 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
     int idle = !st->pending.head && !st->sending_active;
     fmc_batch *b = list->head ? list->head->batch : NULL;
     note_batch_size(st, list);
-    if (idle && claim_recv && st->recv_parked && !st->recv_in && !st->inflight.head && !st->caller_recv &&
-        st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0)
+    if (idle && claim_recv && st->rx_state == FMC_ROLE_ARMED && !(st->rx_events & EPOLLIN) && !st->inflight.head &&
+        !st->caller_recv && st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0) {
         *claimed = st->caller_recv = 1;
+        st->rx_state = FMC_ROLE_OFF; /* its quiet watch stays set: a worker it wakes finds nothing to take */
+    }
     list_append(&st->pending, list);
     if (!idle) {
-        pthread_cond_signal(&st->cv);
+        if (!st->sending_active) /* else the round's end sees it */
+            tx_kick_locked(st);
         pthread_mutex_unlock(&st->mu);
         return FMC_OK;
     }
     int rc = send_round(st, deadline_ms);
-    if (st->pending.head)
-        pthread_cond_signal(&st->cv);
     pthread_mutex_unlock(&st->mu);
     if (rc == -2 && b) {
         fmc_batch_mark_cancelled(b); /* past the call's deadline: the others on it are sent again */
@@ -674,26 +870,6 @@ static int remote_status(int32_t status)
     return FMC_ERR_SOCKET;
 }
 
-/* Reads into GPU memory land through staging chunks, pipelined: a piece of an answer (at most
- * one chunk of GPU payloads, one device) is received into a chunk, its scatter to the GPU queued
- * and fenced, and the receiver goes on reading while it runs.  Pieces land (fence waited for,
- * chunk back to the pool) in answer order: when FMC_STAGE_DEPTH are pending, when a chunk is
- * needed and none is free, before an answer that does not go through staging, and before the
- * thread parks or exits.  A piece that ends an answer carries its slices, which stay on
- * st->receiving (so a cancel cuts the stream) until it lands: only then do they finish. */
-typedef struct {
-    fmc_chunk *chunk;
-    fmc_fence fence;
-    int failed;       /* its copy could not be queued */
-    fmc_slice *first; /* the answer's slices, when this piece ends it (NULL otherwise) */
-    int nslices;
-} rx_piece;
-
-typedef struct {
-    rx_piece p[FMC_STAGE_DEPTH];
-    int head, count;
-    int failed; /* a piece of the answer being landed failed: its GPU slices fail */
-} rx_ring;
 
 static void receiving_remove(fmc_stream *st, fmc_slice *x)
 {
@@ -998,66 +1174,91 @@ void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
     }
     pthread_mutex_lock(&st->mu);
     st->caller_recv = 0;
-    if (st->recv_parked && (st->inflight.head || st->recv_blind || got < 0))
-        wake_receiver(st);
+    if (st->rx_state == FMC_ROLE_OFF) { /* back to the receive side, on the watch it parked with */
+        st->rx_state = FMC_ROLE_ARMED;
+        st->rx_events = EPOLLRDHUP | (st->inflight.head || st->bulk || got < 0 ? EPOLLIN : 0);
+        watch_locked(st);
+    }
     if (st->dead)
         pthread_cond_broadcast(&st->cv); /* the exit path waits for the receive side */
     pthread_mutex_unlock(&st->mu);
 }
 
-/* Park while nothing is in flight or a caller reads its own answers (see fmc_stream); 0 once
- * the stream is dead.  A peer that closes an idle stream kills it here, so the session cache
- * sees it as unhealthy and reconnects before the next transfer. */
-static int receiver_park(fmc_stream *st)
+/* Woken with nothing in flight: a peer that closed the idle stream (or sent bytes nobody asked
+ * for) kills it, so the session cache sees it as unhealthy and reconnects before the next
+ * transfer.  The socket itself is asked: the event may be an old one. */
+static void rx_check_idle(fmc_stream *st)
 {
     pthread_mutex_lock(&st->mu);
-    while (!st->dead && (st->caller_recv || !st->inflight.head)) {
-        int watch = !st->caller_recv; /* a caller that owns the socket sees its EOF itself */
-        st->recv_parked = 1;
-        st->recv_blind = !watch;
-        st->recv_in = watch && st->bulk;
-        int owed = st->zc_owed != 0;
-        short events = (short)(POLLRDHUP | (st->recv_in ? POLLIN : 0));
-        pthread_mutex_unlock(&st->mu);
-        struct pollfd pf[2] = {{.fd = st->wake_fd, .events = POLLIN}, {.fd = st->rd.fd, .events = events}};
-        int ready = poll(pf, watch ? 2 : 1, owed ? ZC_ACK_IDLE_MS : -1);
-        if (ready < 0 && errno != EINTR)
-            pf[1].revents = POLLERR;
-        if (ready == 0) { /* idle with acknowledgements owed: the sender thread sends them */
-            pthread_mutex_lock(&st->mu);
-            st->zc_ack_idle = st->zc_owed != 0; /* a round may have sent them meanwhile */
-            send_ack_if_due_locked(st);
-            pthread_mutex_unlock(&st->mu);
-        }
-        uint64_t count;
-        if (pf[0].revents && read(st->wake_fd, &count, sizeof count) < 0) {
-            /* EAGAIN: another wake-up consumed it first */
-        }
-        pthread_mutex_lock(&st->mu);
-        st->recv_parked = st->recv_blind = st->recv_in = 0;
-        if (watch && pf[1].revents && !st->caller_recv && !st->inflight.head)
-            kill_locked(st); /* closed (or sent bytes nobody asked for) while idle */
+    if (!st->dead && !st->inflight.head && !st->caller_recv && st->fd >= 0) {
+        struct pollfd pf = {.fd = st->fd, .events = POLLIN | POLLRDHUP};
+        if (poll(&pf, 1, 0) > 0)
+            kill_locked(st);
     }
-    int alive = !st->dead;
     pthread_mutex_unlock(&st->mu);
-    return alive;
 }
 
-/* The receiver on one connection, until it breaks or is cut.  On the way out every GPU piece has
- * landed and every answered slice is finished. */
-static void receive_answers(fmc_stream *st, int proto, fmc_reader *rd, rx_ring *gpu)
+enum { RX_GO, RX_PARKED, RX_LEAVE };
+
+/* No answer is buffered: read on if bytes are there, else park the receive side (the socket
+ * watched for answers, or its quiet watch while nothing is in flight or a caller reads its own
+ * answers).  RX_LEAVE once the stream is dead or its socket ended. */
+static int rx_wait(fmc_stream *st)
 {
+    pthread_mutex_lock(&st->mu);
+    for (;;) {
+        if (st->dead) {
+            pthread_mutex_unlock(&st->mu);
+            return RX_LEAVE;
+        }
+        if (st->caller_recv || !st->inflight.head) {
+            st->rx_state = st->caller_recv ? FMC_ROLE_OFF : FMC_ROLE_ARMED;
+            st->rx_events = EPOLLRDHUP | (st->bulk ? EPOLLIN : 0);
+            watch_locked(st);
+            if (st->zc_owed && st->io)
+                fmc_pool_timer_add(&io_pool, &st->io->ack_timer, fmc_now_ms() + ZC_ACK_IDLE_MS);
+            pthread_mutex_unlock(&st->mu);
+            return RX_PARKED;
+        }
+        pthread_mutex_unlock(&st->mu);
+        int got = fmc_reader_try_more(&st->rd);
+        if (got != 0)
+            return got > 0 ? RX_GO : RX_LEAVE;
+        pthread_mutex_lock(&st->mu);
+        if (!st->dead && !st->caller_recv && st->inflight.head) {
+            st->rx_state = FMC_ROLE_ARMED;
+            st->rx_events = EPOLLIN | EPOLLRDHUP;
+            watch_locked(st);
+            pthread_mutex_unlock(&st->mu);
+            return RX_PARKED;
+        }
+    }
+}
+
+/* The receive side, taken by a pool worker: answers are matched to in-flight slices in order
+ * until none is left to read now (the side parks, see rx_wait) or the stream breaks or is cut
+ * (the side leaves; every GPU piece has landed and every answered slice is finished first).
+ * The answers already buffered are taken under one hold of the stream lock and their slices
+ * finished together (one batch lock per run). */
+static void rx_run(fmc_stream *st)
+{
+    int proto = st->peer->proto;
+    fmc_reader *rd = &st->rd;
+    rx_ring *gpu = st->rx_gpu;
     fmc_slice_list done = {0};
-    gpu->failed = 0; /* a failed piece of an answer the previous connection broke off fails nothing here */
+    rx_check_idle(st);
     for (;;) {
         fmc_resp a;
-        int park = !answer_buffered(proto, rd);
-        if (park)
-            land_all(st, gpu, &done); /* before this thread may block */
-        fmc_slices_finish(done.head, FMC_TASK_PENDING);
-        done.head = done.tail = NULL;
-        if (park && !receiver_park(st))
-            break;
+        if (!answer_buffered(proto, rd)) {
+            land_all(st, gpu, &done); /* before this side may park */
+            fmc_slices_finish(done.head, FMC_TASK_PENDING);
+            done.head = done.tail = NULL;
+            int next = rx_wait(st);
+            if (next == RX_PARKED)
+                return;
+            if (next == RX_LEAVE)
+                break;
+        }
         if (read_answer(proto, rd, &a) < 0)
             break;
         pthread_mutex_lock(&st->mu);
@@ -1089,7 +1290,9 @@ static void receive_answers(fmc_stream *st, int proto, fmc_reader *rd, rx_ring *
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
+                fmc_pool_blocking_begin();
                 int got = receive_vector(st, rd, &a, first, k, gpu, &done);
+                fmc_pool_blocking_end();
                 if (got < 0) {
                     log_bad_answer(st, "a vector answer that does not fit its request");
                     broken = 1; /* `receiving` stays set: the exit path fails it */
@@ -1131,7 +1334,9 @@ static void receive_answers(fmc_stream *st, int proto, fmc_reader *rd, rx_ring *
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
+                fmc_pool_blocking_begin();
                 int got = receive_payload(st, rd, s, gpu, &done);
+                fmc_pool_blocking_end();
                 if (got < 0 || zc_answer_void(st, &a)) {
                     s->answer_status = FMC_ERR_SOCKET; /* a GPU landing finishes with this status */
                     broken = 1; /* `receiving` stays set: the exit path fails it */
@@ -1162,21 +1367,34 @@ static void receive_answers(fmc_stream *st, int proto, fmc_reader *rd, rx_ring *
     }
     land_all(st, gpu, &done); /* no copy may still run into a slice the exit path fails */
     fmc_slices_finish(done.head, FMC_TASK_PENDING); /* answered before the stream broke */
+    role_exit(st, &st->rx_state);
 }
 
-/* Matches answers to in-flight slices, in order.  The answers already buffered are taken under
- * one hold of the stream lock and their slices finished together (one batch lock per run). */
-void *fmc_stream_recv_main(void *arg)
+/* An event on a stream's socket: a worker takes the side it wakes, if that side is still armed
+ * and waits for it (an old event of a stream since gone, or reconnected, finds nothing). */
+static void stream_event(void *owner, uint32_t events)
 {
-    fmc_stream *st = arg;
-    int proto = st->peer->proto;
-    fmc_reader *rd = &st->rd;
-    rx_ring gpu;
-    memset(&gpu, 0, sizeof gpu);
-    do {
-        receive_answers(st, proto, rd, &gpu);
-    } while (stream_thread_exit(st) && stream_wait_comeback(st));
-    for (int i = 0; i < FMC_STAGE_DEPTH; i++)
-        fmc_cuda_fence_free(&gpu.p[i].fence);
-    return NULL;
+    fmc_io_handle *h = owner;
+    pthread_mutex_lock(&h->mu); /* the stream cannot be released meanwhile */
+    fmc_stream *st = h->st;
+    int side = 0;
+    if (st) {
+        pthread_mutex_lock(&st->mu);
+        st->watched = 0; /* EPOLLONESHOT: the watch is off until set again */
+        uint32_t always = EPOLLHUP | EPOLLERR;
+        if (st->rx_state == FMC_ROLE_ARMED && (events & (st->rx_events | always))) {
+            st->rx_state = FMC_ROLE_RUNNING;
+            side = 1;
+        } else if (st->tx_state == FMC_ROLE_ARMED && (events & (EPOLLOUT | always))) {
+            st->tx_state = FMC_ROLE_RUNNING;
+            side = 2;
+        }
+        watch_locked(st); /* for the side left armed, if any */
+        pthread_mutex_unlock(&st->mu);
+    }
+    pthread_mutex_unlock(&h->mu);
+    if (side == 1)
+        rx_run(st);
+    else if (side == 2)
+        tx_run(st);
 }

@@ -24,7 +24,7 @@ import concurrent.futures
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..._process import GUARD_BYTES, EngineProcess, EngineServer, GuardedRegion
@@ -124,9 +124,11 @@ def _groups(engine: str, n: int, size: int, config: dict | None, env: dict | Non
 
 
 def measure_peers(engine: str, direction: str, n: int, block: int, trials: int = 3, config: dict | None = None,
-                  env: dict | None = None) -> dict:
+                  env: dict | None = None, on_idle: Callable[[int, dict], None] | None = None) -> dict:
     """One row: ``{"engine", "direction", "peers", "block", "gbps", "trials_gbps", "threads", "fds",
-    "rss_mib", "idle_threads", "idle_fds", "idle_rss_mib", "verified", "error"}``."""
+    "rss_mib", "idle_threads", "idle_fds", "idle_rss_mib", "verified", "error"}``.  ``on_idle``
+    is called with the measured process's pid and its idle resources before any peer starts
+    (to confine it, for example)."""
     row: dict = {"engine": engine, "direction": direction, "peers": n, "block": block, "gbps": 0.0,
                  "trials_gbps": [], "verified": False, "error": None}
     timeout = 120.0 + n * block / 50e6
@@ -136,6 +138,8 @@ def measure_peers(engine: str, direction: str, n: int, block: int, trials: int =
             measured = PeerGroup(engine, 1, measured_size, config, env)
             stack.callback(measured.close)
             idle = measured.call("resources")
+            if on_idle is not None:
+                on_idle(measured.pid, idle)
             others = stack.enter_context(_groups(engine, n, block, config, env))
             pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(len(others)))
             if direction == "out":

@@ -1,0 +1,264 @@
+/* Threads around one epoll set (see fmc_worker_pool.h).
+ *
+ * Every fd is watched EPOLLONESHOT, so one worker at a time runs its owner; the owner watches
+ * it again when it wants to hear more.  Workers keep the blocking style of the data path where
+ * a wait is short (a payload that is arriving is received by the worker that read its header),
+ * so the pool grows while all its workers are busy: a worker that takes an event while no other
+ * waits starts one more, up to the cap, and workers beyond the core count end after
+ * FMC_POOL_IDLE_MS without work.  A worker about to wait for long (fmc_pool_blocking_begin)
+ * stops counting against the cap, so a stalled peer costs one thread, never the others' turn. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "fmc_internal.h"
+#include "fmc_worker_pool.h"
+
+#define FMC_POOL_IDLE_MS 2000
+#define FMC_POOL_STACK (512u << 10)
+
+static __thread fmc_worker_pool *my_pool; /* the pool this thread works for, if any */
+
+int fmc_pool_default_cap(void)
+{
+    int cpus = fmc_usable_cpus();
+    return cpus * 2 > 4 ? cpus * 2 : 4;
+}
+
+int fmc_pool_set_cap(fmc_worker_pool *pool, int n)
+{
+    if (n < 0 || n > 4096) {
+        fmc_set_error("%s threads %d outside 0..4096", pool->name, n);
+        return FMC_ERR_INVALID_ARGUMENT;
+    }
+    pthread_mutex_lock(&pool->mu);
+    pool->cap = n;
+    pthread_mutex_unlock(&pool->mu);
+    return FMC_OK;
+}
+
+static void *worker_main(void *arg);
+
+/* Wake one waiting worker through wake_fd (it then looks at the timers). */
+static void wake_one_locked(fmc_worker_pool *pool)
+{
+    uint64_t one = 1;
+    if (pool->waiting && pool->wake_fd >= 0 && write(pool->wake_fd, &one, sizeof one) < 0) {
+        /* EAGAIN: a wake-up is pending anyway */
+    }
+}
+
+/* Start one worker; caller holds pool->mu.  0 if the thread could not be made. */
+static int spawn_locked(fmc_worker_pool *pool)
+{
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, FMC_POOL_STACK);
+    pthread_t t;
+    int ok = pthread_create(&t, &attr, worker_main, pool) == 0;
+    pthread_attr_destroy(&attr);
+    if (ok)
+        pool->workers++;
+    return ok;
+}
+
+/* Nobody is left watching the set and the cap allows one more: start it. */
+static void grow_if_starved_locked(fmc_worker_pool *pool)
+{
+    if (pool->waiting == 0 && pool->workers - pool->blocked < pool->cap)
+        spawn_locked(pool);
+}
+
+/* Timers due by now leave the list (caller holds mu); returns them linked, and sets *wait_ms to
+ * how long until the next one (-1: none). */
+static fmc_pool_timer *take_due_locked(fmc_worker_pool *pool, int *wait_ms)
+{
+    int64_t now = fmc_now_ms();
+    fmc_pool_timer *due = NULL, **tail = &due;
+    while (pool->timers && pool->timers->due_ms <= now) {
+        fmc_pool_timer *t = pool->timers;
+        pool->timers = t->next;
+        t->queued = 0;
+        t->next = NULL;
+        *tail = t;
+        tail = &t->next;
+    }
+    *wait_ms = pool->timers ? (int)(pool->timers->due_ms - now) : -1;
+    return due;
+}
+
+static void fire_timers(fmc_pool_timer *t)
+{
+    while (t) {
+        fmc_pool_timer *next = t->next;
+        t->fire(t);
+        t = next;
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    fmc_worker_pool *pool = arg;
+    my_pool = pool;
+    /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
+     * process (EPIPE is enough); workers keep it blocked. */
+    sigset_t pipe_signal;
+    sigemptyset(&pipe_signal);
+    sigaddset(&pipe_signal, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
+    for (;;) {
+        pthread_mutex_lock(&pool->mu);
+        int timer_ms = -1;
+        fmc_pool_timer *due = take_due_locked(pool, &timer_ms);
+        if (due) {
+            pthread_mutex_unlock(&pool->mu);
+            fire_timers(due);
+            continue;
+        }
+        int extra = pool->workers > pool->core;
+        int keeper = timer_ms >= 0 && !pool->timekeeper;
+        pool->timekeeper |= keeper;
+        int wait = keeper ? timer_ms : extra ? FMC_POOL_IDLE_MS : -1;
+        pool->waiting++;
+        int epfd = pool->epfd;
+        pthread_mutex_unlock(&pool->mu);
+        struct epoll_event ev;
+        int n = epoll_wait(epfd, &ev, 1, wait);
+        pthread_mutex_lock(&pool->mu);
+        pool->waiting--;
+        if (keeper)
+            pool->timekeeper = 0;
+        if (keeper && n == 1 && pool->timers)
+            wake_one_locked(pool); /* another worker keeps time while this one works */
+        if (n == 1 && ev.data.ptr == NULL) { /* wake_fd: a timer to keep */
+            uint64_t count;
+            if (read(pool->wake_fd, &count, sizeof count) < 0) {
+                /* EAGAIN: another worker took it */
+            }
+            struct epoll_event again = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = NULL};
+            epoll_ctl(pool->epfd, EPOLL_CTL_MOD, pool->wake_fd, &again);
+            pthread_mutex_unlock(&pool->mu);
+            continue;
+        }
+        if (n == 0 && !keeper && pool->workers > pool->core) {
+            pool->workers--;
+            pthread_mutex_unlock(&pool->mu);
+            return NULL;
+        }
+        if (n == 1)
+            grow_if_starved_locked(pool); /* someone to take the next event */
+        pthread_mutex_unlock(&pool->mu);
+        if (n == 1)
+            pool->dispatch(ev.data.ptr, ev.events);
+    }
+}
+
+int fmc_pool_start(fmc_worker_pool *pool)
+{
+    pthread_mutex_lock(&pool->mu);
+    int rc = FMC_OK;
+    if (pool->epfd >= 0)
+        goto out;
+    if (pool->cap <= 0)
+        pool->cap = fmc_pool_default_cap();
+    pool->core = pool->core_wanted > 0 ? pool->core_wanted : fmc_usable_cpus();
+    if (pool->core > pool->cap)
+        pool->core = pool->cap;
+    int epfd = epoll_create1(EPOLL_CLOEXEC);
+    int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = NULL};
+    if (epfd < 0 || wake < 0 || epoll_ctl(epfd, EPOLL_CTL_ADD, wake, &ev) != 0) {
+        fmc_set_error("%s pool: %s", pool->name, strerror(errno));
+        if (epfd >= 0)
+            close(epfd);
+        if (wake >= 0)
+            close(wake);
+        rc = FMC_ERR_SOCKET;
+        goto out;
+    }
+    pool->epfd = epfd;
+    pool->wake_fd = wake;
+    while (pool->workers < pool->core && spawn_locked(pool))
+        ;
+    rc = pool->workers > 0 ? FMC_OK : FMC_ERR_MEMORY;
+out:
+    pthread_mutex_unlock(&pool->mu);
+    return rc;
+}
+
+int fmc_pool_watch(fmc_worker_pool *pool, int fd, void *owner, uint32_t events, int op)
+{
+    struct epoll_event ev = {.events = events | EPOLLONESHOT, .data.ptr = owner};
+    if (epoll_ctl(pool->epfd, op, fd, &ev) == 0)
+        return FMC_OK;
+    fmc_set_error("epoll_ctl: %s", strerror(errno));
+    return FMC_ERR_SOCKET;
+}
+
+void fmc_pool_blocking_begin(void)
+{
+    fmc_worker_pool *pool = my_pool;
+    if (!pool)
+        return;
+    pthread_mutex_lock(&pool->mu);
+    pool->blocked++;
+    grow_if_starved_locked(pool);
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void fmc_pool_blocking_end(void)
+{
+    fmc_worker_pool *pool = my_pool;
+    if (!pool)
+        return;
+    pthread_mutex_lock(&pool->mu);
+    pool->blocked--;
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms)
+{
+    pthread_mutex_lock(&pool->mu);
+    if (!t->queued) {
+        t->due_ms = due_ms;
+        t->queued = 1;
+        fmc_pool_timer **pp = &pool->timers;
+        while (*pp && (*pp)->due_ms <= due_ms)
+            pp = &(*pp)->next;
+        t->next = *pp;
+        *pp = t;
+        /* Workers asleep with no timeout would miss it: wake one to keep time (a worker that is
+         * busy now looks at the list before it sleeps). */
+        if (!pool->timekeeper)
+            wake_one_locked(pool);
+    }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void fmc_pool_timer_cancel(fmc_worker_pool *pool, fmc_pool_timer *t)
+{
+    pthread_mutex_lock(&pool->mu);
+    if (t->queued) {
+        fmc_pool_timer **pp = &pool->timers;
+        while (*pp && *pp != t)
+            pp = &(*pp)->next;
+        if (*pp)
+            *pp = t->next;
+        t->queued = 0;
+    }
+    pthread_mutex_unlock(&pool->mu);
+}
+
+void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap)
+{
+    pthread_mutex_lock(&pool->mu);
+    *workers = pool->workers;
+    *cap = pool->cap > 0 ? pool->cap : fmc_pool_default_cap();
+    pthread_mutex_unlock(&pool->mu);
+}

@@ -1,0 +1,59 @@
+/* A pool of threads around one epoll set (fmc_worker_pool.c): the shape both sides of TCP
+ * use, so that threads follow the sockets with work at the moment, not the sockets that exist.
+ * The target side serves inbound connections with one (fmc_serve_pool.c); the initiator side
+ * runs its streams' send and receive sides on another (fmc_stream.c). */
+#ifndef FMC_WORKER_POOL_H
+#define FMC_WORKER_POOL_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+/* Something a worker runs once its time comes (a zero-copy acknowledgement owed by an idle
+ * stream); queued at most once.  A worker may hold an event or a timer of an owner that is
+ * going away: owners give the pool memory that outlives them (fmc_stream.c's handles). */
+typedef struct fmc_pool_timer {
+    int64_t due_ms;
+    void (*fire)(struct fmc_pool_timer *t);
+    struct fmc_pool_timer *next;
+    int queued;
+} fmc_pool_timer;
+
+typedef struct fmc_worker_pool {
+    const char *name;
+    /* Runs in a worker for each event of a watched fd (EPOLLONESHOT: re-watch to hear more). */
+    void (*dispatch)(void *ptr, uint32_t events);
+    pthread_mutex_t mu;
+    int epfd;                /* -1 until started */
+    int wake_fd;             /* eventfd: a timer was queued while every worker slept without one */
+    int workers;             /* alive */
+    int waiting;             /* in epoll_wait */
+    int blocked;             /* inside fmc_pool_blocking_begin/end: not counted against the cap */
+    int core;                /* kept however idle */
+    int cap;                 /* workers not blocked, at most (0: from the CPUs) */
+    int core_wanted;         /* 0: as many as CPUs */
+    int timekeeper;          /* a waiting worker sleeps until the first timer is due */
+    fmc_pool_timer *timers;  /* sorted by due_ms */
+} fmc_worker_pool;
+
+#define FMC_WORKER_POOL_INIT(pool_name, fn, core_n)                                                              \
+    {.name = pool_name, .dispatch = fn, .mu = PTHREAD_MUTEX_INITIALIZER,                                         \
+     .epfd = -1, .wake_fd = -1, .core_wanted = core_n}
+
+/* The cap by default: twice the CPUs this process may use, at least 4. */
+int fmc_pool_default_cap(void);
+int fmc_pool_set_cap(fmc_worker_pool *pool, int n);
+/* Make the set and the core workers (once; later calls return at once). */
+int fmc_pool_start(fmc_worker_pool *pool);
+/* Watch fd for `events` once (EPOLLONESHOT is added): op is EPOLL_CTL_ADD or EPOLL_CTL_MOD. */
+int fmc_pool_watch(fmc_worker_pool *pool, int fd, void *owner, uint32_t events, int op);
+/* Around a wait that may last (a payload that stalls, a GPU copy, a connect): the worker does not
+ * count against the cap meanwhile, and one more is started if nobody is left watching the set,
+ * so a stalled peer never starves the others.  No-ops outside the pool's workers. */
+void fmc_pool_blocking_begin(void);
+void fmc_pool_blocking_end(void);
+/* Queue a timer (a no-op if queued already) / take it out. */
+void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms);
+void fmc_pool_timer_cancel(fmc_worker_pool *pool, fmc_pool_timer *t);
+void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap);
+
+#endif
