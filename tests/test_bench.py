@@ -549,7 +549,7 @@ def test_targets_files_may_be_toml(tmp_path):
 def test_the_projects_targets_file_loads():
     loaded = tg.load_targets(str(PROJECT_TARGETS), TRANSPORT_NAMES)
     kinds = [t.metric.split(":")[0] for t in loaded.targets]
-    assert kinds.count("calls_ratio") == 10 and kinds.count("peers") == 5 and len(kinds) == 33
+    assert kinds.count("calls_ratio") == 10 and kinds.count("peers") == 6 and len(kinds) == 34
     assert loaded.note_steal_from == 0.05
     links = [(t.link, t.metric.split(":")[2], t.threshold) for t in loaded.targets if t.link]
     assert sorted(links) == [("clean", "mooncake", 1.5), ("lossy", "mooncake", 1.2), ("lossy", "plain streams", 0.8),
@@ -778,6 +778,27 @@ def test_peers_targets_judge_threads_fds_and_rates_against_their_budget():
         tg._check(tg.Target("bad", "peers:sideways:threads", 1.0, "lower"), TRANSPORT_NAMES)
     with pytest.raises(tg.TargetsError):
         tg._check(tg.Target("bad", "peers:in:rate_64", 1.0, "higher"), TRANSPORT_NAMES)
+    with pytest.raises(tg.TargetsError):
+        tg._check(tg.Target("bad", "peers:out:first_contact", 1.0, "lower"), TRANSPORT_NAMES)
+
+
+def test_the_first_contact_target_is_our_time_over_mooncakes_at_the_judged_counts():
+    """peers:in:first_contact: flagcx_mc's slowest first call over Mooncake's, same count, from
+    min_peers up; unverified rows and counts without Mooncake's row judge nothing."""
+    def row(engine: str, n: int, seconds: float, verified: bool = True) -> dict:
+        return {"engine": engine, "peers": n, "seconds": seconds, "p50_s": seconds / 2, "verified": verified,
+                "error": None}
+
+    target = tg.Target("c", "peers:in:first_contact", 0.6, "lower", min_peers=256)
+    tg._check(target, TRANSPORT_NAMES)
+    result = {"cpus": 2, "peers": [], "first_contact": [row("flagcx_mc", 256, 0.5), row("mooncake", 256, 1.0),
+                                                        row("flagcx_mc", 64, 0.9), row("mooncake", 64, 1.0)]}
+    got = tg.evaluate_targets(tg.TargetSet((target,)), result)[0]
+    assert got["status"] == "PASS" and got["measured"] == pytest.approx(0.5) and "256 peers" in got["detail"]
+    result["first_contact"][0]["seconds"] = 0.7
+    assert tg.evaluate_targets(tg.TargetSet((target,)), result)[0]["status"] == "MISS"
+    result["first_contact"][1]["verified"] = False
+    assert tg.evaluate_targets(tg.TargetSet((target,)), result)[0]["status"] == "N/A"
 
 
 def test_a_tiny_peers_run_verifies_every_range_and_reports_budgets(tmp_path):
@@ -789,6 +810,8 @@ def test_a_tiny_peers_run_verifies_every_range_and_reports_budgets(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=ROOT / "examples")
     data = json.loads(out.read_text())
     assert data["verified"] and len(data["peers"]) == 2, proc.stdout + proc.stderr
+    (first,) = data["first_contact"]  # 2 initiators' first calls into one target, verified
+    assert first["verified"] and first["peers"] == 2 and 0 < first["p50_s"] <= first["seconds"], first
     for row in data["peers"]:
         assert row["verified"] and row["gbps"] > 0 and row["threads"] >= row["idle_threads"] > 0
         assert row["fds"] > row["idle_fds"] > 0

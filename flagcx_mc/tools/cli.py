@@ -178,7 +178,7 @@ def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: 
     from pathlib import Path
 
     from ..config import usable_cpus
-    from .bench.peers import measure_peers, print_peers_report
+    from .bench.peers import measure_first_contact, measure_peers, print_first_contact_report, print_peers_report
     from .bench.report import print_targets, verdict
     from .bench.runner import stderr_to
     from .bench.targets import evaluate_targets
@@ -195,10 +195,21 @@ def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: 
                 print(f"{engine:<10} {direction:>3} {n:>4} peers: {row['gbps']:.2f} GB/s"
                       + (f", error: {row['error']}" if row["error"] else ""), flush=True)
                 rows.append(row)
-    result: dict = {"peers": rows, "cpus": usable_cpus(), "targets": [], "errors": [],
-                    "verified": all(r["verified"] for r in rows)}
+    first = []
+    if max(counts) >= 2:  # the most initiators reaching one target at once
+        for engine in engines:
+            with contextlib.ExitStack() as stack:
+                log = None if verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
+                with stderr_to(log):
+                    row = measure_first_contact(engine, max(counts))
+            print(f"{engine:<10} first contact of {max(counts)}: {row['seconds']:.3f} s"
+                  + (f", error: {row['error']}" if row["error"] else ""), flush=True)
+            first.append(row)
+    result: dict = {"peers": rows, "first_contact": first, "cpus": usable_cpus(), "targets": [], "errors": [],
+                    "verified": all(r["verified"] for r in rows + first)}
     result["targets"] = _peers_only(evaluate_targets(targets, result)) if targets else []
     print_peers_report(rows, result["cpus"])
+    print_first_contact_report(first)
     print_targets(result["targets"])
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -229,11 +240,12 @@ def _check_results(path: str, targets) -> int:
     if "rows" in result:
         print_report(result)
     elif "peers" in result:  # written by --peers
-        from .bench.peers import print_peers_report
+        from .bench.peers import print_first_contact_report, print_peers_report
         from .bench.report import print_targets
 
         result["targets"] = _peers_only(result["targets"])
         print_peers_report(result["peers"], result.get("cpus") or 1)
+        print_first_contact_report(result.get("first_contact", []))
         print_targets(result["targets"])
     else:  # written by --async: only the async facade's calls/s
         result["targets"] = _calls_ratio_only(result["targets"])

@@ -10,6 +10,10 @@ no peer yet (``idle_*``).
 - ``out``: the measured engine writes to N targets (one batch to each, all in flight at once).
 - ``in``: N initiators write into the measured engine, each to its own range, all at once.
 
+A first-contact row (``measure_first_contact``) times N initiators reaching one target at once:
+each engine's first call (4 KiB), which opens its session (the handshake, then TCP or the
+same-host path, whichever the engines pick), released together within each helper process.
+
 A round is timed after a first, untimed one that opens the sessions; the best of ``trials``
 rounds is the row's rate.  Every range is verified by sha256 afterwards.  Mooncake's engine
 (``mooncake.engine``, where it imports) runs the same rows.
@@ -23,6 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +36,8 @@ from typing import Any
 from ..._process import GUARD_BYTES, EngineProcess, EngineServer, GuardedRegion
 from ...buffers import HostBuffer
 
-__all__ = ["PEER_COUNTS", "PeerGroup", "measure_peers", "print_peers_report"]
+__all__ = ["PEER_COUNTS", "PeerGroup", "measure_first_contact", "measure_peers", "print_first_contact_report",
+           "print_peers_report"]
 
 PEER_COUNTS = (1, 8, 64, 256)
 ENGINES_PER_PROCESS = 32  # engines of the other side hosted by one helper process
@@ -48,7 +55,7 @@ def process_resources() -> dict:
 class _Peers(EngineServer):
     """Child side: ``count`` engines of one kind, engine i owning region i."""
 
-    COMMANDS = EngineServer.COMMANDS | {"init", "write", "resources", "digests"}
+    COMMANDS = EngineServer.COMMANDS | {"init", "write", "first_contact", "resources", "digests"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,6 +89,27 @@ class _Peers(EngineServer):
             status = eng.get_batch_transfer_status([batch])
             rc = rc or status
         return {"rc": rc, "seconds": time.perf_counter() - start}
+
+    def first_contact(self, target: str, remote: int, length: int) -> dict:
+        """Engine i writes ``length`` bytes of region i to ``remote + i * length`` of ``target``,
+        every engine from a thread of its own, all released at once: for each, its first call
+        (which opens its session).  Answers ``{"rc": [...], "seconds": [...]}``."""
+        n = len(self.engines)
+        barrier = threading.Barrier(n)
+        rcs, seconds = [-1] * n, [0.0] * n
+
+        def one(i: int) -> None:
+            barrier.wait()
+            start = time.perf_counter()
+            rcs[i] = self.engines[i].transfer_sync_write(target, self.regions[i].addr, remote + i * length, length)
+            seconds[i] = time.perf_counter() - start
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return {"rc": rcs, "seconds": seconds}
 
     def resources(self) -> dict:
         return process_resources()
@@ -184,6 +212,49 @@ def measure_peers(engine: str, direction: str, n: int, block: int, trials: int =
     except Exception as exc:  # noqa: BLE001 -- reported in the row; the run's verdict fails on it
         row["error"] = f"{type(exc).__name__}: {exc}"
     return row
+
+
+def measure_first_contact(engine: str, n: int, length: int = 4096, config: dict | None = None,
+                          env: dict | None = None) -> dict:
+    """N initiators' first calls into one target at once: ``{"engine", "peers", "seconds" (the
+    slowest call), "p50_s", "verified", "error"}``."""
+    row: dict = {"engine": engine, "peers": n, "seconds": 0.0, "p50_s": 0.0, "verified": False, "error": None}
+    try:
+        with contextlib.ExitStack() as stack:
+            target = PeerGroup(engine, 1, n * length, config, env)
+            stack.callback(target.close)
+            others = stack.enter_context(_groups(engine, n, length, config, env))
+            want = [g.call("fill", region=i)["digest"] for g in others for i in range(len(g.sessions))]
+            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(len(others)))
+            futures, k = [], 0
+            for g in others:
+                futures.append(pool.submit(g.call, "first_contact", 120.0, target=target.session,
+                                           remote=target.addr(0) + k * length, length=length))
+                k += len(g.sessions)
+            answers = [f.result() for f in futures]
+            if any(rc != 0 for a in answers for rc in a["rc"]):
+                raise RuntimeError("a first call failed")
+            seconds = [s for a in answers for s in a["seconds"]]
+            row["seconds"] = round(max(seconds), 4)
+            row["p50_s"] = round(statistics.median(seconds), 4)
+            got = target.call("digests", ranges=[[0, i * length, length] for i in range(n)])["digests"]
+            row["verified"] = got == want
+    except Exception as exc:  # noqa: BLE001 -- reported in the row; the run's verdict fails on it
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def print_first_contact_report(rows: list[dict], out: Any = None) -> None:
+    if not rows:
+        return
+    print(f"\n{'first contact':<13} {'peers':>5} {'slowest s':>10} {'p50 s':>8}  verified", file=out)
+    for r in rows:
+        if r["error"]:
+            print(f"{r['engine']:<13} {r['peers']:>5}  error: {r['error']}", file=out)
+            continue
+        print(f"{r['engine']:<13} {r['peers']:>5} {r['seconds']:>10.3f} {r['p50_s']:>8.3f}  "
+              f"{'yes' if r['verified'] else 'NO'}", file=out)
+    print("(N initiators in helper processes each make their first call, 4 KiB, into one target at once)", file=out)
 
 
 def print_peers_report(rows: list[dict], cpus: int, out: Any = None) -> None:

@@ -23,7 +23,9 @@ written ``kind:transport:against``:
   or ``out``): ``threads`` -- the measured process's threads over its budget, idle threads +
   2 x CPUs + 8; ``fds`` -- its fds over idle fds + 4 per peer; both at every count of at least
   ``min_peers`` (a target's key, default 64), the highest; ``rate_N/M`` -- the aggregate rate
-  with N peers over that with M.
+  with N peers over that with M; ``first_contact`` (direction ``in``) -- the time N initiators'
+  first calls into one target take, flagcx_mc's over Mooncake's, at every N of at least
+  ``min_peers``, the highest.
 
 Each target comes out PASS, MISS or N/A (nothing measured it, with the reason) beside the worst
 value and the row it came from.
@@ -100,9 +102,10 @@ def _check(target: Target, transports: tuple[str, ...]) -> None:
     if kind == "peers":
         rate = against.startswith("rate_") and against[5:].count("/") == 1 and all(
             x.isdigit() for x in against[5:].split("/"))
-        if transport not in PEER_DIRECTIONS or not (against in ("threads", "fds") or rate):
-            raise TargetsError(f"{target.name!r}: peers targets are peers:in|out:threads|fds|rate_N/M, "
-                               f"not {target.metric!r}")
+        first = transport == "in" and against == "first_contact"
+        if transport not in PEER_DIRECTIONS or not (against in ("threads", "fds") or rate or first):
+            raise TargetsError(f"{target.name!r}: peers targets are peers:in|out:threads|fds|rate_N/M or "
+                               f"peers:in:first_contact, not {target.metric!r}")
     elif transport not in transports:
         raise TargetsError(f"{target.name!r}: no transport {transport!r} (known: {', '.join(transports)})")
     if kind == "throughput_ratio" and against not in BASELINES:
@@ -213,8 +216,20 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
     return values, "" if values else _why_not(result, transport, *others)
 
 
+def _first_contact_values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str]:
+    rows: dict[tuple[str, int], dict] = {(r["engine"], r["peers"]): r for r in result.get("first_contact", [])
+                                         if r.get("verified") and r.get("seconds")}
+    pairs = [(r["seconds"] / rows[("mooncake", n)]["seconds"], {"direction": "in", "peers": n})
+             for (engine, n), r in rows.items()
+             if engine == "flagcx_mc" and n >= target.min_peers and ("mooncake", n) in rows]
+    return pairs, "" if pairs else (f"no first-contact rows of flagcx_mc and Mooncake with {target.min_peers} "
+                                    f"peers or more (flagcx-mc bench --peers)")
+
+
 def _peer_values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str]:
     _, direction, measure = target.parts
+    if measure == "first_contact":
+        return _first_contact_values(target, result)
     rows = {r["peers"]: r for r in result.get("peers", [])
             if r.get("engine") == "flagcx_mc" and r.get("direction") == direction and r.get("verified")}
     if not rows:
