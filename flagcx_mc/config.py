@@ -358,15 +358,15 @@ class EngineConfig:
             log.warning("%s; connections within this host keep the host's default", problem)
         return config
 
-    def streams_for(self, open_sessions: int) -> int:
-        """Data connections for a session opened while ``open_sessions`` others are open: a share
-        of ``stream_budget`` (4 x the CPUs this process may use by default), at most
-        ``streams_per_peer`` and at least one.  A process that talks to a few peers gives each all
-        its streams (streams are how one peer's transfer uses the cores); one that talks to
-        hundreds gives each one or two, so that its connections and their threads do not grow
-        eightfold with the peers."""
+    def streams_for(self, in_use: int) -> int:
+        """Data connections for a session opened while the engine's other sessions hold ``in_use``:
+        half of what is left of ``stream_budget`` (4 x the CPUs this process may use by default),
+        at most ``streams_per_peer`` and at least one.  A process that talks to a few peers gives
+        each all its streams (streams are how one peer's transfer uses the cores); one that talks
+        to hundreds gives each one, so that its connections stay within about the budget plus
+        one per peer, not ``streams_per_peer`` per peer."""
         budget = self.stream_budget or 4 * usable_cpus()
-        return max(1, min(self.streams_per_peer, budget // (open_sessions + 1)))
+        return max(1, min(self.streams_per_peer, (budget - in_use) // 2))
 
     def validate(self) -> None:
         if not self.transfer_timeout > 0 or not self.handshake_timeout > 0:

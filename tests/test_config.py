@@ -81,10 +81,14 @@ def test_process_settings_come_from_the_environment(monkeypatch):
 
 
 def test_streams_for_shares_the_budget_among_open_sessions():
-    """A session gets budget // (sessions open + 1) streams, at most streams_per_peer, at least one;
-    the budget defaults to 4 x the CPUs this process may use."""
-    config = EngineConfig.from_env(streams_per_peer=8, stream_budget=16)
-    assert [config.streams_for(n) for n in (0, 1, 2, 3, 7, 15, 300)] == [8, 8, 5, 4, 2, 1, 1]
+    """A session gets half of the budget the open sessions left, at most streams_per_peer, at
+    least one; the budget defaults to 4 x the CPUs this process may use."""
+    config = EngineConfig.from_env(streams_per_peer=8, stream_budget=32)
+    assert [config.streams_for(n) for n in (0, 8, 16, 24, 28, 30, 31, 32, 300)] == [8, 8, 8, 4, 2, 1, 1, 1, 1]
+    used = 0
+    for _ in range(64):  # 64 peers opened one after another: about the budget plus one per peer
+        used += config.streams_for(used)
+    assert used <= 32 + 64
     default = EngineConfig.from_env(streams_per_peer=4)
     assert default.streams_for(0) == min(4, 4 * usable_cpus())
     with pytest.raises(InvalidArgumentError):

@@ -222,11 +222,12 @@ async def test_the_async_facade_releases_and_reopens_too():
 
 @pytest.mark.timeout(60)
 def test_sessions_share_a_budget_of_streams():
-    """With ``stream_budget=3`` the first session gets 3 streams (its share, under
-    ``streams_per_peer=4``), the next ones 3 // 2 and 3 // 3: one each; every write lands, and
-    each target counts as many inbound connections as its session has streams."""
+    """With ``stream_budget=6`` the first session gets 3 streams (half the budget, under
+    ``streams_per_peer=4``), the next one half of the 3 left, the last one (the floor); every
+    write lands, and each target counts as many inbound connections as its session has
+    streams."""
     targets = [NodeProcess(regions=[4 * MIB]) for _ in range(3)]
-    eng, buf = open_engine(stream_budget=3)
+    eng, buf = open_engine(stream_budget=6)
     try:
         for target in targets:
             write_verified(eng, buf, target)

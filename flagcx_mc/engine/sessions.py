@@ -62,6 +62,7 @@ class SessionCache:
         self._resolver = resolver
         self._open: dict[str, Session] = {}
         self._opening: dict[str, asyncio.Task] = {}
+        self._reserved: dict[str, int] = {}  # streams of sessions being opened (see _new_peer)
         self._refreshing: dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
 
@@ -156,23 +157,31 @@ class SessionCache:
                 "need v2 (Mooncake >= 0.3.12)"
             )
 
+    def _streams_in_use(self) -> int:
+        """Streams of the open sessions and of those being opened: what stream_budget shares."""
+        return sum(s.peer.streams for s in self._open.values()) + sum(self._reserved.values())
+
     async def _open_session(self, name: str) -> Session:
         host, port, desc = await self._resolve(name)
-        peer = self._new_peer(host, desc)
-        peer.set_call_stats(self._metrics.core_counts(name))
-        loop = asyncio.get_running_loop()
-        timeout_ms = int(self._config.handshake_timeout * 1000)
-        await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+        try:
+            peer = self._new_peer(name, host, desc)
+            peer.set_call_stats(self._metrics.core_counts(name))
+            loop = asyncio.get_running_loop()
+            timeout_ms = int(self._config.handshake_timeout * 1000)
+            await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+        finally:
+            self._reserved.pop(name, None)
         session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer, same_host=peer.same_host)
         self._open[name] = session
         log.debug("session %s open (%s): %d regions", name, "flagcx_mc" if desc.native else "Mooncake TCP",
                   len(desc.buffers))
         return session
 
-    def _new_peer(self, host: str, desc: SegmentDesc) -> CorePeer:
+    def _new_peer(self, name: str, host: str, desc: SegmentDesc) -> CorePeer:
         data_port = desc.native.data_port if desc.native else desc.tcp_data_port
-        streams = self._config.streams_for(len(self._open) + len(self._opening) - 1)
+        streams = self._config.streams_for(self._streams_in_use())
         peer = CorePeer(self._core, host, data_port, streams, self._config.slice_size)
+        self._reserved[name] = streams  # until the session is open, or failed to open
         if desc.native is None:
             peer.set_protocol(PROTO_MOONCAKE)
         elif desc.native.boot_id and desc.native.boot_id == boot_id():
