@@ -150,6 +150,8 @@ int fmc_peer_set_region_vmm(fmc_peer *peer, uint64_t addr, int device, int n, co
                             const uint64_t *sizes, const int32_t *fds);
 int fmc_peer_connect(fmc_peer *peer, int timeout_ms);
 int fmc_peer_is_healthy(fmc_peer *peer);
+/* Streams connected so far: the first at connect, the others once a large transfer comes. */
+int fmc_peer_streams_ready(fmc_peer *peer);
 /* Milliseconds since the peer's last transfer started, or -1 while a batch of it is alive. */
 int64_t fmc_peer_idle_ms(fmc_peer *peer);
 void fmc_peer_set_call_stats(fmc_peer *peer, fmc_call_stats *stats);

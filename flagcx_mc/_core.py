@@ -410,8 +410,14 @@ class CorePeer:
         return f"cannot map the peer's GPU memory: {reason}"
 
     def connect(self, timeout_ms: int) -> None:
-        """Open every data stream (blocking; run it off the event loop)."""
+        """Open the first data stream (blocking; run it off the event loop).  The core opens the
+        others once a transfer too large for one stream comes."""
         _raise_for(lib.fmc_peer_connect(self._ptr, max(1, int(timeout_ms))))
+
+    @property
+    def streams_ready(self) -> int:
+        """Data streams connected so far (of ``streams``)."""
+        return int(lib.fmc_peer_streams_ready(self._ptr))
 
     @property
     def healthy(self) -> bool:

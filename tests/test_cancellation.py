@@ -23,6 +23,7 @@ import signal
 import time
 
 import pytest
+from support.nodes import wait_all_streams
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc._testing.node import NodeProcess
@@ -493,7 +494,9 @@ async def test_three_hundred_writers_cancelled_by_one_timeout_leave_nothing_behi
         await eng.register_memory(buf.addr, size)
         whole = buf.fill_random()
         blocks = [buf.digest(i * MIB, MIB) for i in range(WRITERS)]
-        await write_all_verified()  # the session open, the engine warm
+        await write_all_verified()  # the session open, its other streams connecting
+        wait_all_streams(eng, target.session)
+        await write_all_verified()  # every stream used once (a zero-copy stream opens its pipe)
         base = await _settled(None)
         seen = []
         for round_ in range(3):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from support.nodes import free_rpc_port, pinned_node
+from support.nodes import free_rpc_port, pinned_node, wait_all_streams
 
 from flagcx_mc import HostBuffer, TransferEngine
 from flagcx_mc._testing.node import NodeProcess
@@ -285,6 +285,7 @@ def test_killed_initiator_frees_the_targets_connections_and_others_keep_going(in
     try:
         baseline = server_connections(target)
         write_verified(eng, buf, target)  # a bystander with open streams
+        wait_all_streams(eng, target.session)
         with_bystander = server_connections(target)
         assert with_bystander > baseline
 

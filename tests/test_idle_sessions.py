@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from support.nodes import free_rpc_port, pinned_node
+from support.nodes import free_rpc_port, pinned_node, wait_all_streams
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine
 from flagcx_mc._testing.node import NodeProcess
@@ -73,6 +73,7 @@ def test_an_idle_session_closes_its_connections_and_opens_again_on_next_use():
         base = resources()
         for round_ in range(3):
             write_verified(eng, buf, target)
+            wait_all_streams(eng, target.session)
             busy = resources()
             # Its streams run on the process's I/O pool: a session shows as sockets, not threads.
             assert busy[1] > base[1], f"round {round_}: no session seen: {base} -> {busy}"
@@ -231,6 +232,7 @@ def test_sessions_share_a_budget_of_streams():
     try:
         for target in targets:
             write_verified(eng, buf, target)
+            wait_all_streams(eng, target.session)
         sessions = eng._state.require_sessions()
         streams = [sessions.peek(t.session).peer.streams for t in targets]
         assert streams == [3, 1, 1], streams

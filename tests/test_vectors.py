@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import os
 import random
+import time
 
 import pytest
 from support.layouts import round_trip_runs_and_gaps
@@ -160,7 +161,14 @@ async def test_a_batch_of_small_blocks_puts_every_stream_to_work(node, local_buf
         await eng.register_memory(local_buf.addr, local_buf.size)
         local = [local_buf.addr + i * block for i in range(blocks)]
         remote = [node.addr(0, (blocks - 1 - i) * block) for i in range(blocks)]  # reversed: scattered
-        await eng.transfer_sync_write(node.session, local_buf.addr, node.addr(0), 1)  # connect outside the count
+        # Connect outside the count: the session, then the streams this batch would use (one per
+        # 256 KiB), which the first such batch has connected for the ones after it.
+        await eng.batch_transfer_sync_write(node.session, local, remote, [block] * blocks)
+        peer = eng._state.require_sessions().peek(node.session).peer
+        deadline = time.monotonic() + 5
+        while peer.streams_ready < min(peer.streams, -(-total // (256 << 10))):
+            assert time.monotonic() < deadline, "the batch's streams were not connected"
+            await asyncio.sleep(0.02)
         before = node.call("stats")
         local_buf.fill_random(0, blocks * block)
         await eng.batch_transfer_sync_write(node.session, local, remote, [block] * blocks)

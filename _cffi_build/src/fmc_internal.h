@@ -16,6 +16,7 @@
 #include <sys/uio.h>
 
 #include "fmc_core.h"
+#include "fmc_worker_pool.h"
 
 /* Timestamps of the data path's steps for diagnosis (common/fmc_trace.c), compiled in only with
  * -DFMC_TRACE (`CFLAGS=-DFMC_TRACE pip install .`): each is (event, a, b) with the thread and a
@@ -563,6 +564,14 @@ struct fmc_peer {
     pthread_cond_t sh_cv;     /* a busy word came free */
     int connected, closed;
     int connect_timeout_ms;   /* fmc_peer_connect's, for reconnecting a cut stream */
+    /* Streams [0, nready) are connected: fmc_peer_connect connects the first, the I/O pool the
+     * others as transfers come that would use them (fmc_peer_grow: up to grow_want). */
+    atomic_int nready;
+    atomic_int grow_want;
+    atomic_int grow_queued;   /* a pool worker will connect up to grow_want */
+    int growing;              /* the pool is connecting them (p->mu); a closing peer waits */
+    pthread_cond_t grow_cv;
+    fmc_pool_timer grow;      /* queues that work on the I/O pool */
     int owner_pid;            /* the peer's process when it runs on this host, else 0 */
     int64_t last_used_ms;     /* when its last transfer started (fmc_peer_idle_ms) */
     atomic_int refs;
@@ -572,6 +581,11 @@ struct fmc_peer {
     fmc_call_stats *call_stats; /* set once before the first transfer, or NULL */
     fmc_stream streams[FMC_MAX_STREAMS];
 };
+
+/* Have the I/O pool connect the peer's streams up to `want` (no-op if they are up). */
+void fmc_peer_grow(struct fmc_peer *p, int want);
+/* Run t's fire on the I/O pool as soon as a worker is free (fmc_stream.c). */
+void fmc_io_pool_run_soon(fmc_pool_timer *t);
 
 /* A same-host call's routes are done with: release the mappings they pointed into. */
 void fmc_peer_routes_done(struct fmc_peer *p);

@@ -48,7 +48,10 @@ Handler = Callable[[Message], Awaitable[dict]]
 
 DEFAULT_RPC_PORT_RANGE = (15000, 17000)  # Mooncake's MC_MIN_RPC_PORT..MC_MAX_RPC_PORT default
 PORT_ATTEMPTS = 500  # Mooncake's findAvailableTcpPort tries this many random ports
-LISTEN_BACKLOG = 128  # Mooncake's MC_HANDSHAKE_LISTEN_BACKLOG default
+# Hundreds of initiators may reach one engine at once (a cluster starting): a connection the
+# backlog has no room for loses its SYN and waits a second for the retransmission.  Mooncake's
+# default (MC_HANDSHAKE_LISTEN_BACKLOG) is 128; the kernel caps this at net.core.somaxconn.
+LISTEN_BACKLOG = 4096
 _READ_CHUNK = 64 * 1024
 
 

@@ -158,7 +158,9 @@ class BoundedServer:
             raise EndpointError(f"cannot bind {self._name} to {where}{tried}: {last}")
         self.check_startable()  # close() may have run while we resolved
         try:
-            self._server = await asyncio.start_server(self._on_connect, sock=sock, limit=self._stream_limit)
+            # The backlog again: the server listens anew when it starts, by default with 100.
+            self._server = await asyncio.start_server(self._on_connect, sock=sock, limit=self._stream_limit,
+                                                      backlog=backlog)
         except BaseException:
             sock.close()
             raise

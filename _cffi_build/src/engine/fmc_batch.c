@@ -174,7 +174,7 @@ static fmc_batch *batch_alloc(fmc_peer *p, int opcode, int ntasks, int nslices)
  * then still polling for the next request (FLAGCX_MC_SPIN_US) instead of asleep, which is most
  * of a small call's round trip on a VM.  Round robin otherwise, and when that stream is busy
  * with someone else's batch. */
-static int start_stream(fmc_peer *p, uint64_t bytes)
+static int start_stream(fmc_peer *p, uint64_t bytes, int nready)
 {
     if (bytes <= FMC_SMALL_TRANSFER_BYTES) {
         int hot = atomic_load_explicit(&p->hot_stream, memory_order_relaxed);
@@ -186,7 +186,7 @@ static int start_stream(fmc_peer *p, uint64_t bytes)
                 return hot;
         }
     }
-    int stream = (int)(atomic_fetch_add(&p->rr, 1) % (uint32_t)p->nstreams);
+    int stream = (int)(atomic_fetch_add(&p->rr, 1) % (uint32_t)nready);
     if (bytes <= FMC_SMALL_TRANSFER_BYTES)
         atomic_store_explicit(&p->hot_stream, stream, memory_order_relaxed);
     return stream;
@@ -200,10 +200,10 @@ static int start_stream(fmc_peer *p, uint64_t bytes)
  * stream's bytes wake a sender and a receiver thread, and on 2 CPUs a 1 MiB batch over 2 of
  * 4 streams took 206 instead of 230 us with a quarter less CPU (larger batches still reach
  * every stream, slice_size at a time). */
-static uint64_t stream_run_bytes(const fmc_peer *p, uint64_t total, uint64_t min_share)
+static uint64_t stream_run_bytes(const fmc_peer *p, uint64_t total, uint64_t min_share, int nready)
 {
     int cores = p->engine->cores;
-    uint64_t spread = (uint64_t)(p->nstreams < cores ? p->nstreams : cores);
+    uint64_t spread = (uint64_t)(nready < cores ? nready : cores);
     uint64_t share = (total + spread - 1) / spread;
     if (share < min_share)
         share = min_share;
@@ -312,9 +312,19 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
      * small tasks ride one stream together and big ones spread over all of them. */
     fmc_slice_list per_stream[FMC_MAX_STREAMS];
     memset(per_stream, 0, sizeof per_stream);
-    int stream = start_stream(p, total);
+    /* The streams connected so far carry it; one that would use more (a share of at least
+     * FMC_SMALL_TRANSFER_BYTES each, see stream_run_bytes) has them connected for the calls
+     * after it. */
+    int nready = atomic_load_explicit(&p->nready, memory_order_acquire);
+    if (total > FMC_SMALL_TRANSFER_BYTES && nready < p->nstreams) {
+        uint64_t would_use = (total + FMC_SMALL_TRANSFER_BYTES - 1) / FMC_SMALL_TRANSFER_BYTES;
+        fmc_peer_grow(p, would_use < (uint64_t)p->nstreams ? (int)would_use : p->nstreams);
+    }
+    if (nready < 1)
+        nready = 1; /* not connected: stream 0 refuses it */
+    int stream = start_stream(p, total, nready);
     uint64_t run_bytes = stream_run_bytes(p, total, flags & SUBMIT_GROUP ? FMC_GROUP_SHARE_BYTES
-                                                                          : FMC_SMALL_TRANSFER_BYTES);
+                                                                          : FMC_SMALL_TRANSFER_BYTES, nready);
     uint64_t run = 0;
     uint64_t first_id = atomic_fetch_add(&p->next_id, nslices); /* one atomic per batch, not per slice */
     int k = 0;
@@ -337,7 +347,7 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
             run += s->len;
             if (run >= run_bytes) {
                 run = 0;
-                stream = (stream + 1) % p->nstreams;
+                stream = (stream + 1) % nready;
             }
         }
     }

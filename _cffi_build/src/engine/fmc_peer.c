@@ -41,6 +41,10 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
     pthread_mutex_init(&p->mu, NULL);
     pthread_mutex_init(&p->sh_mu, NULL);
     pthread_cond_init(&p->sh_cv, NULL);
+    pthread_cond_init(&p->grow_cv, NULL);
+    atomic_init(&p->nready, 0);
+    atomic_init(&p->grow_queued, 0);
+    atomic_init(&p->grow_want, 1);
     atomic_init(&p->refs, 1);
     atomic_init(&p->next_id, 1);
     for (int i = 0; i < nstreams; i++) {

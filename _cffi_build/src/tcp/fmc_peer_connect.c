@@ -1,6 +1,7 @@
 /* Connecting a peer's data streams (native preamble, or none for Mooncake's framing), their
  * health, and closing them. */
 #define _GNU_SOURCE
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -156,6 +157,34 @@ int fmc_peer_set_owner_pid(fmc_peer *p, int pid)
     return FMC_OK;
 }
 
+/* Stream i takes connection fd and starts on the I/O pool; FMC_OK, or an error with fd closed
+ * (the stream stays dead). */
+static int stream_take(fmc_peer *p, int i, int fd, uint64_t token)
+{
+    fmc_stream *st = &p->streams[i];
+    if (fmc_reader_init(&st->rd, fd, 64u << 10) != 0) {
+        close(fd);
+        return FMC_ERR_MEMORY;
+    }
+    if (p->vectors)
+        st->rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
+    pthread_mutex_lock(&st->mu);
+    st->fd = fd;
+    st->token = token;
+    st->dead = 0;
+    pthread_mutex_unlock(&st->mu);
+    if (p->proto == FMC_PROTO_NATIVE && fmc_socket_is_local(fd))
+        fmc_zc_fence_attach(p, &st, 1);
+    int rc = fmc_stream_start(st);
+    if (rc != FMC_OK)
+        fmc_stream_kill(st); /* no side runs it: the peer is not healthy, and close closes fd */
+    return rc;
+}
+
+/* A peer connects its first stream only: a peer that only ever takes small calls (a control
+ * message, a same-host peer's fallback) costs one connection at each end, and hundreds of
+ * initiators reaching one target at once set up a fraction of the connections.  The others are
+ * connected by the I/O pool as transfers come that would use them (fmc_peer_grow). */
 int fmc_peer_connect(fmc_peer *p, int timeout_ms)
 {
     pthread_mutex_lock(&p->mu);
@@ -168,51 +197,95 @@ int fmc_peer_connect(fmc_peer *p, int timeout_ms)
     }
     p->connect_timeout_ms = timeout_ms;
     __atomic_store_n(&p->last_used_ms, fmc_now_ms(), __ATOMIC_RELAXED);
-    int64_t deadline = fmc_now_ms() + timeout_ms;
-    int fds[FMC_MAX_STREAMS];
-    uint64_t tokens[FMC_MAX_STREAMS];
-    int rc = FMC_OK;
-    int n = 0;
-    for (; n < p->nstreams; n++) {
-        int fd = open_connection(p, deadline, 0, &tokens[n], NULL);
+    uint64_t token;
+    int fd = open_connection(p, fmc_now_ms() + timeout_ms, 0, &token, NULL);
+    if (fd < 0)
+        return fd;
+    int rc = stream_take(p, 0, fd, token);
+    if (rc == FMC_OK)
+        atomic_store_explicit(&p->nready, 1, memory_order_release);
+    return rc == FMC_OK && fmc_peer_is_healthy(p) ? FMC_OK : FMC_ERR_MEMORY;
+}
+
+/* Connect streams up to the wanted count (grow_want), in order, each usable as soon as it is up
+ * (nready).  Runs on the I/O pool; a closing peer waits for it (p->growing) and stops it. */
+static int connect_the_rest(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int go = !p->closed;
+    p->growing = go;
+    pthread_mutex_unlock(&p->mu);
+    if (!go)
+        return 0;
+    int reached = 1;
+    int64_t deadline = fmc_now_ms() + (p->connect_timeout_ms > 0 ? p->connect_timeout_ms : 5000);
+    for (int i = atomic_load(&p->nready); i < atomic_load(&p->grow_want); i++) {
+        uint64_t token;
+        int fd = open_connection(p, deadline, 0, &token, NULL);
         if (fd < 0) {
-            rc = fd;
+            fmc_engine_log(p->engine, "peer %s:%d keeps %d of its %d streams: %s", p->host, p->data_port, i,
+                           p->nstreams, fmc_last_error());
+            reached = 0;
             break;
         }
-        fds[n] = fd;
-    }
-    if (rc != FMC_OK) {
-        for (int i = 0; i < n; i++)
-            close(fds[i]);
-        return rc;
-    }
-    fmc_stream *zc[FMC_MAX_STREAMS];
-    int nzc = 0;
-    for (int i = 0; i < p->nstreams; i++) {
-        fmc_stream *st = &p->streams[i];
-        if (fmc_reader_init(&st->rd, fds[i], 64u << 10) != 0) {
-            close(fds[i]);
-            continue; /* the stream stays dead: the peer is not healthy */
+        pthread_mutex_lock(&p->mu);
+        int closing = p->closed;
+        pthread_mutex_unlock(&p->mu);
+        if (closing) {
+            close(fd);
+            reached = 0;
+            break;
         }
-        if (p->vectors)
-            st->rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
-        pthread_mutex_lock(&st->mu);
-        st->fd = fds[i];
-        st->token = tokens[i];
-        st->dead = 0;
-        pthread_mutex_unlock(&st->mu);
-        if (p->proto == FMC_PROTO_NATIVE && fmc_socket_is_local(fds[i]))
-            zc[nzc++] = st;
+        if (stream_take(p, i, fd, token) != FMC_OK) {
+            reached = 0;
+            break;
+        }
+        atomic_store_explicit(&p->nready, i + 1, memory_order_release);
     }
-    fmc_zc_fence_attach(p, zc, nzc);
-    for (int i = 0; i < p->nstreams; i++) {
-        fmc_stream *st = &p->streams[i];
-        if (st->fd < 0)
-            continue;
-        if (fmc_stream_start(st) != FMC_OK)
-            fmc_stream_kill(st); /* no side runs it: the peer is not healthy, and close closes fd */
-    }
-    return fmc_peer_is_healthy(p) ? FMC_OK : FMC_ERR_MEMORY;
+    pthread_mutex_lock(&p->mu);
+    p->growing = 0;
+    pthread_cond_broadcast(&p->grow_cv);
+    pthread_mutex_unlock(&p->mu);
+    return reached;
+}
+
+static void grow_queue(fmc_peer *p);
+
+static void grow_fire(fmc_pool_timer *t)
+{
+    fmc_peer *p = (fmc_peer *)((char *)t - offsetof(fmc_peer, grow));
+    fmc_pool_blocking_begin(); /* connects, and maybe the peer's last release (closing it) */
+    int reached = connect_the_rest(p);
+    atomic_store(&p->grow_queued, 0);
+    /* A larger transfer that came meanwhile wants more: once more, unless a stream could not be
+     * connected or the peer is closing (then the next large transfer asks again). */
+    if (reached && atomic_load(&p->nready) < atomic_load(&p->grow_want))
+        grow_queue(p);
+    fmc_peer_release(p);
+    fmc_pool_blocking_end();
+}
+
+static void grow_queue(fmc_peer *p)
+{
+    int idle = 0;
+    if (!atomic_compare_exchange_strong(&p->grow_queued, &idle, 1))
+        return; /* the queued run sees the new want */
+    atomic_fetch_add(&p->refs, 1); /* the pool's, until grow_fire ends */
+    p->grow.fire = grow_fire;
+    fmc_io_pool_run_soon(&p->grow);
+}
+
+int fmc_peer_streams_ready(fmc_peer *p) { return atomic_load_explicit(&p->nready, memory_order_acquire); }
+
+void fmc_peer_grow(fmc_peer *p, int want)
+{
+    if (want > p->nstreams)
+        want = p->nstreams;
+    int now = atomic_load(&p->grow_want);
+    while (now < want && !atomic_compare_exchange_weak(&p->grow_want, &now, want))
+        ;
+    if (atomic_load_explicit(&p->nready, memory_order_acquire) < want)
+        grow_queue(p);
 }
 
 /* Connect a stream cut by a cancel again.  Called by the last of its sides to leave the old
@@ -259,7 +332,8 @@ int fmc_stream_reconnect(fmc_stream *st)
 int fmc_peer_is_healthy(fmc_peer *p)
 {
     int ok = __atomic_load_n(&p->connected, __ATOMIC_ACQUIRE) && !__atomic_load_n(&p->closed, __ATOMIC_ACQUIRE);
-    for (int i = 0; ok && i < p->nstreams; i++) /* a stream cut to come back still takes slices */
+    int ready = atomic_load_explicit(&p->nready, memory_order_acquire);
+    for (int i = 0; ok && i < ready; i++) /* a stream cut to come back still takes slices */
         ok = !__atomic_load_n(&p->streams[i].dead, __ATOMIC_ACQUIRE) ||
              __atomic_load_n(&p->streams[i].restart, __ATOMIC_ACQUIRE) ||
              __atomic_load_n(&p->streams[i].reconnecting, __ATOMIC_ACQUIRE);
@@ -283,6 +357,8 @@ void fmc_peer_close(fmc_peer *p)
     pthread_mutex_lock(&p->mu);
     int was_closed = p->closed;
     p->closed = 1;
+    while (p->growing) /* it stops at its next stream: none starts after this */
+        pthread_cond_wait(&p->grow_cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
     if (was_closed)
         return;

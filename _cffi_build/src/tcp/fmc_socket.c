@@ -127,6 +127,10 @@ static int random_port(int lo, int hi)
 
 /* Bind a listening socket on host.  port_min == port_max == 0: the kernel chooses.  Otherwise up
  * to 500 random ports in [port_min, port_max] are tried, as Mooncake does. */
+/* Hundreds of initiators connecting their streams at once must not overflow the backlog: a
+ * dropped SYN waits a second for its retransmission.  The kernel caps it at somaxconn. */
+#define SOMAXCONN_WANTED 4096
+
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out)
 {
     struct addrinfo hints, *res = NULL;
@@ -159,7 +163,7 @@ int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out)
                 ((struct sockaddr_in6 *)ai->ai_addr)->sin6_port = htons((uint16_t)port);
             else
                 ((struct sockaddr_in *)ai->ai_addr)->sin_port = htons((uint16_t)port);
-            if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
+            if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, SOMAXCONN_WANTED) == 0) {
                 struct sockaddr_storage ss;
                 socklen_t sl = sizeof ss;
                 getsockname(fd, (struct sockaddr *)&ss, &sl);

@@ -72,6 +72,12 @@ int fmc_io_pool_set_threads(int n) { return fmc_pool_set_cap(&io_pool, n); }
 
 void fmc_io_pool_counts(int *workers, int *cap) { fmc_pool_counts(&io_pool, workers, cap); }
 
+void fmc_io_pool_run_soon(fmc_pool_timer *t)
+{
+    if (fmc_pool_start(&io_pool) == FMC_OK)
+        fmc_pool_timer_add(&io_pool, t, fmc_now_ms());
+}
+
 /* Watch the socket for what the armed sides wait for (st->mu held).  A watch still set for the
  * same events is left alone, so a small call that finds its stream idle costs no syscall. */
 static void watch_locked(fmc_stream *st)
