@@ -123,13 +123,14 @@ def test_a_peer_stalled_mid_answer_does_not_hold_up_the_others():
     to another peer still complete, verified, and the stalled read finishes once the peer goes
     on."""
     script = r"""
+STALLED_BYTES = 512 << 20
 import os, sys, threading, time
 from flagcx_mc import HostBuffer, TransferEngine
 import orjson
 stalled, other = orjson.loads(sys.argv[1])
 eng = TransferEngine(transport="tcp", streams_per_peer=1)
 assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-big, small = HostBuffer(256 << 20), HostBuffer(4 << 20)
+big, small = HostBuffer(STALLED_BYTES), HostBuffer(4 << 20)
 assert eng.register_memory(big.addr, big.size) == 0 and eng.register_memory(small.addr, small.size) == 0
 result = {}
 def stalled_read():
@@ -152,7 +153,7 @@ print(orjson.dumps({"read": result.get("read"), "digest": big.digest(0, big.size
     import subprocess
     import sys
 
-    stalled = NodeProcess(regions=[256 * MIB])
+    stalled = NodeProcess(regions=[512 * MIB])
     other = NodeProcess(regions=[4 * MIB])
     proc = None
     try:
@@ -164,7 +165,7 @@ print(orjson.dumps({"read": result.get("read"), "digest": big.digest(0, big.size
                                 text=True, env=env)
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "started"
-        time.sleep(0.3)  # the read's answer is flowing
+        time.sleep(0.02)  # the read's answer is flowing (512 MiB take 0.1 s or more on loopback)
         os.kill(stalled.pid, signal.SIGSTOP)
         proc.stdin.write("\n")
         proc.stdin.flush()
