@@ -1,7 +1,7 @@
 """The target side's shared serve pool: many inbound connections, few threads.
 
 A target process serves every inbound data connection from one pool of threads
-(``fmc_serve_pool.c``): a connection takes a thread only while it has a request to serve, and
+(``fmc_server.c`` on ``fmc_worker_pool.c``): a connection takes a thread only while it has a request to serve, and
 the pool grows to at most ``FLAGCX_MC_SERVE_THREADS`` (default twice the CPUs, at least 4). These
 tests count the target process's threads in /proc while dozens of initiators' connections write
 into it, verify every byte, and check that initiators stalled in the middle of a write's payload

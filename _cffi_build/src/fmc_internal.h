@@ -54,7 +54,7 @@ void fmc_trace(int event, uint64_t a, uint64_t b);
 void fmc_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
-int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (engine/fmc_batch.c) */
+int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (common/fmc_util.c) */
 /* Transfers up to this size are "small": worth polling for, and (on one idle stream) sent by
  * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
@@ -72,7 +72,7 @@ int fmc_usable_cpus(void); /* CPUs this process may run on (common/fmc_util.c) *
 /* pidfd_open(pid) and pidfd_getfd(pidfd, fd): -1 (errno set) where the kernel or a policy refuses. */
 int fmc_pidfd_open(int pid);
 int fmc_pidfd_getfd(int pidfd, int fd);
-/* The process's serve pool of inbound data connections (tcp/fmc_serve_pool.c), made with the
+/* The process's serve pool of inbound data connections (tcp/fmc_server.c), made with the
  * first engine: its core threads and epoll set exist from then on, idle. */
 int fmc_serve_pool_start(void);
 
@@ -408,8 +408,9 @@ struct fmc_engine {
 void fmc_hugepages_prepare(const fmc_engine *e, uint64_t addr, uint64_t len);
 void fmc_hugepages_collapse_later(fmc_engine *e, uint64_t addr, uint64_t len, uint32_t key);
 void fmc_hugepages_stop(fmc_engine *e);
-/* Pin the region registered at addr under that key (NULL if none): unregister waits for the pin
- * to go.  Unpin takes it back. */
+/* The region registered at addr under that key, or NULL (caller holds e->mu).  Pin it (NULL if
+ * none): unregister waits for the pin to go.  Unpin takes it back.  (common/fmc_registry.c) */
+fmc_region *fmc_region_at_locked(fmc_engine *e, uint64_t addr, uint32_t key);
 fmc_region *fmc_region_pin(fmc_engine *e, uint64_t addr, uint32_t key);
 void fmc_region_unpin(fmc_engine *e, fmc_region *r);
 
@@ -506,7 +507,6 @@ typedef struct fmc_stream {
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
-    int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     int zc_link;              /* the connection stays within this host: zero-copy sends pay off */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
@@ -520,7 +520,12 @@ typedef struct fmc_stream {
 /* A side of a stream (fmc_stream's rx_state, tx_state). */
 enum { FMC_ROLE_OFF, FMC_ROLE_ARMED, FMC_ROLE_RUNNING, FMC_ROLE_DONE };
 
-/* Reconnect a stream cut by a cancel (fmc_peer_connect.c), with the target told to let go of
+/* One data connection to the peer, ready for requests (tcp/fmc_connection.c): the fd, or a
+ * negative code with the error set; `fenced`: a cut connection's token the target must let go
+ * of first; `slot`: a stream whose fd holds it meanwhile (a kill interrupts the wait). */
+int fmc_open_data_connection(struct fmc_peer *p, int64_t deadline, uint64_t fenced, uint64_t *token,
+                             fmc_stream *slot);
+/* Reconnect a stream cut by a cancel (tcp/fmc_connection.c), with the target told to let go of
  * the old connection first; FMC_OK once the stream's socket is usable again. */
 int fmc_stream_reconnect(fmc_stream *st);
 /* Zero-copy fence (tcp/fmc_zc_fence.c): find the same-host target's end of each stream's socket
@@ -528,8 +533,10 @@ int fmc_stream_reconnect(fmc_stream *st);
  * the spliced payloads its target has not read yet.  fmc_zc_fence_close: caller holds st->mu. */
 void fmc_zc_fence_attach(struct fmc_peer *p, fmc_stream *const *streams, int n);
 void fmc_zc_fence_close(fmc_stream *st);
-/* Mark every task of a batch cancelled (a call past its deadline). */
+/* Mark every task of a batch cancelled (a call past its deadline), or the unfinished ones of
+ * [first, first + count) (1 if there was any).  (engine/fmc_completion.c) */
 void fmc_batch_mark_cancelled(struct fmc_batch *b);
+int fmc_batch_mark_tasks_cancelled(struct fmc_batch *b, int first, int count);
 
 struct fmc_peer {
     fmc_engine *engine;

@@ -185,3 +185,28 @@ int fmc_range_writable(uint64_t addr, uint64_t len)
     fclose(f);
     return want >= end;
 }
+
+/* The region starting at addr with that registration key, or NULL.  Caller holds e->mu. */
+fmc_region *fmc_region_at_locked(fmc_engine *e, uint64_t addr, uint32_t key)
+{
+    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
+    return r && r->addr == addr && r->key == key ? r : NULL;
+}
+
+fmc_region *fmc_region_pin(fmc_engine *e, uint64_t addr, uint32_t key)
+{
+    pthread_mutex_lock(&e->mu);
+    fmc_region *r = fmc_region_at_locked(e, addr, key);
+    if (r)
+        r->refs++;
+    pthread_mutex_unlock(&e->mu);
+    return r;
+}
+
+void fmc_region_unpin(fmc_engine *e, fmc_region *r)
+{
+    pthread_mutex_lock(&e->mu);
+    if (--r->refs == 0 && r->removed)
+        pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}

@@ -10,96 +10,6 @@
 
 #include "fmc_internal.h"
 
-/* Record one slice's outcome; caller holds b->mu.  Returns 1 when it was the batch's last. */
-static int finish_locked(fmc_batch *b, int t, int status)
-{
-    if (status != FMC_OK && b->task_status[t] >= 0)
-        b->task_status[t] = status;
-    if (--b->task_remaining[t] == 0 && b->task_status[t] == FMC_TASK_PENDING)
-        b->task_status[t] = FMC_OK;
-    if (status != FMC_OK && b->first_error == FMC_OK)
-        b->first_error = status;
-    if (b->task_remaining[t] == 0 && b->task_cancelled[t])
-        pthread_cond_broadcast(&b->cv); /* fmc_batch_cancel_tasks waits for the tasks it cancels */
-    if (--b->outstanding != 0)
-        return 0;
-    fmc_engine *e = b->peer->engine;
-    __atomic_store_n(&b->finished, 1, __ATOMIC_RELEASE);
-    if (b->first_error == FMC_OK) {
-        e->stat_batches_ok++;
-        if (b->opcode == FMC_OP_WRITE)
-            e->stat_written_out += b->bytes;
-        else
-            e->stat_read_in += b->bytes;
-    } else {
-        e->stat_batches_failed++;
-    }
-    pthread_cond_broadcast(&b->cv);
-    if (!b->counts_end)
-        return 1;
-    /* seq_cst against the waiter's count and read (fmc_engine_wait_batch_end): either it sees
-     * the new count, or this sees it waiting and wakes it. */
-    __atomic_add_fetch(&e->batches_ended, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&e->end_waiters, __ATOMIC_SEQ_CST)) {
-        pthread_mutex_lock(&e->done_mu); /* a leaf lock: nothing is taken under it */
-        pthread_cond_broadcast(&e->done_cv);
-        pthread_mutex_unlock(&e->done_mu);
-    }
-    return 1;
-}
-
-uint64_t fmc_engine_batches_ended(fmc_engine *e)
-{
-    return __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST);
-}
-
-/* Wait until one of the engine's batches ends after `seen` (an fmc_engine_batches_ended count),
- * whichever it is, or fmc_engine_wake_end_waiters is called, at most timeout_ms: 1 if so, 0 if
- * the time ran out.  The async facade's poller waits here between its batches, so that the
- * event loop hands it a new batch without waking it: the batch's end does. */
-int fmc_engine_wait_batch_end(fmc_engine *e, uint64_t seen, int64_t timeout_ms)
-{
-    struct timespec ts;
-    fmc_deadline_ts(timeout_ms < 0 ? 0 : timeout_ms, &ts);
-    pthread_mutex_lock(&e->done_mu);
-    int wakes = e->end_wakes;
-    __atomic_add_fetch(&e->end_waiters, 1, __ATOMIC_SEQ_CST);
-    int ended, timed_out = 0; /* looked at once more after a timeout */
-    while (!(ended = __atomic_load_n(&e->batches_ended, __ATOMIC_SEQ_CST) != seen || e->end_wakes != wakes) &&
-           !timed_out)
-        timed_out = pthread_cond_timedwait(&e->done_cv, &e->done_mu, &ts) == ETIMEDOUT;
-    __atomic_sub_fetch(&e->end_waiters, 1, __ATOMIC_SEQ_CST);
-    pthread_mutex_unlock(&e->done_mu);
-    return ended;
-}
-
-void fmc_engine_wake_end_waiters(fmc_engine *e)
-{
-    pthread_mutex_lock(&e->done_mu);
-    e->end_wakes++;
-    pthread_cond_broadcast(&e->done_cv);
-    pthread_mutex_unlock(&e->done_mu);
-}
-
-/* Finish a list of slices, each with its answer_status (or `status` for all when it is not
- * FMC_TASK_PENDING), taking each batch's lock once per run of its slices: four stream receivers
- * finishing the slices of one batch one lock at a time made them queue on it.  A slice lives in
- * its batch's memory, which its waiter may free once the last one is finished, so `next` is read
- * before a slice is finished and nothing of a batch is touched after its lock is released. */
-void fmc_slices_finish(fmc_slice *s, int status)
-{
-    while (s) {
-        fmc_batch *b = s->batch;
-        pthread_mutex_lock(&b->mu);
-        while (s && s->batch == b) {
-            fmc_slice *next = s->next;
-            finish_locked(b, s->task, status != FMC_TASK_PENDING ? status : s->answer_status);
-            s = next;
-        }
-        pthread_mutex_unlock(&b->mu);
-    }
-}
-
 static void mark_error(fmc_batch *b, int status)
 {
     pthread_mutex_lock(&b->mu);
@@ -405,33 +315,12 @@ int fmc_batch_task_status(fmc_batch *b, int index)
     return rc;
 }
 
-/* A slice of a task that was cancelled (read under its stream's lock; set under the batch's). */
-int fmc_slice_cancelled(const fmc_slice *s)
-{
-    return __atomic_load_n(&s->batch->task_cancelled[s->task], __ATOMIC_ACQUIRE);
-}
-
 static int list_has_cancelled(fmc_slice *s, fmc_batch *b)
 {
     for (; s; s = s->next)
         if (s->batch == b && fmc_slice_cancelled(s))
             return 1;
     return 0;
-}
-
-/* Mark the unfinished tasks of [first, first + count) cancelled; 1 if there was any. */
-static int mark_cancelled(fmc_batch *b, int first, int count)
-{
-    int any = 0;
-    pthread_mutex_lock(&b->mu);
-    for (int t = first; t < first + count; t++) {
-        if (b->task_remaining[t] > 0) {
-            __atomic_store_n(&b->task_cancelled[t], 1, __ATOMIC_RELEASE);
-            any = 1;
-        }
-    }
-    pthread_mutex_unlock(&b->mu);
-    return any;
 }
 
 /* Cancel tasks [first, first + count) of a batch: their unsent slices are taken back, and each
@@ -445,7 +334,7 @@ int fmc_batch_cancel_tasks(fmc_batch *b, int first, int count)
         fmc_set_error("tasks [%d, +%d) outside a batch of %d", first, count, b->ntasks);
         return FMC_ERR_INVALID_ARGUMENT;
     }
-    if (!mark_cancelled(b, first, count))
+    if (!fmc_batch_mark_tasks_cancelled(b, first, count))
         return FMC_OK;
     fmc_peer *p = b->peer;
     for (int i = 0; i < p->nstreams; i++) {
@@ -475,7 +364,6 @@ int fmc_batch_cancel_tasks(fmc_batch *b, int first, int count)
     return FMC_OK;
 }
 
-void fmc_batch_mark_cancelled(fmc_batch *b) { mark_cancelled(b, 0, b->ntasks); }
 
 int fmc_batch_cancel(fmc_batch *b)
 {
@@ -500,18 +388,6 @@ int fmc_batch_cancel(fmc_batch *b)
  * spin_us (FLAGCX_MC_SPIN_US), default 30, 0 to never poll.  On a VM a sleeping thread takes
  * tens of microseconds to wake; a small transfer's round trip ends within the poll and saves that
  * wake-up on each side, at the price of at most this much CPU per call. */
-int fmc_spin_us(const fmc_engine *e) { return e->opts.spin_us; }
-
-/* Only small transfers are worth polling for.  A larger one takes a few hundred microseconds
- * or more, so one wake-up is a small share of it, while a poll that yields the CPU over and over
- * takes turns from the very threads moving its bytes when cores are few: on the 2-core VM,
- * polling after 4 MiB batches cost 10-30 % of their throughput (three times as many context
- * switches as sleeping). */
-int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes)
-{
-    return bytes <= FMC_SMALL_TRANSFER_BYTES ? fmc_spin_us(e) : 0;
-}
-
 static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
 {
     struct timespec ts;

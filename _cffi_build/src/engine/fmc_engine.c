@@ -266,31 +266,6 @@ int fmc_unregister(fmc_engine *e, uint64_t addr)
     return rc;
 }
 
-/* The region starting at addr with that registration key, or NULL.  Caller holds e->mu. */
-static fmc_region *region_at_locked(fmc_engine *e, uint64_t addr, uint32_t key)
-{
-    fmc_region *r = fmc_registry_find(&e->reg, addr, 1);
-    return r && r->addr == addr && r->key == key ? r : NULL;
-}
-
-fmc_region *fmc_region_pin(fmc_engine *e, uint64_t addr, uint32_t key)
-{
-    pthread_mutex_lock(&e->mu);
-    fmc_region *r = region_at_locked(e, addr, key);
-    if (r)
-        r->refs++;
-    pthread_mutex_unlock(&e->mu);
-    return r;
-}
-
-void fmc_region_unpin(fmc_engine *e, fmc_region *r)
-{
-    pthread_mutex_lock(&e->mu);
-    if (--r->refs == 0 && r->removed)
-        pthread_cond_broadcast(&e->cv);
-    pthread_mutex_unlock(&e->mu);
-}
-
 /* The GPU ordinal of the region starting at addr (-1: host memory or no such region), its length
  * and key, and whether its VMM chunks are exported already. */
 static int gpu_region(fmc_engine *e, uint64_t addr, uint64_t *len, uint32_t *key, int *exported)
@@ -340,7 +315,7 @@ int fmc_region_cuda_vmm(fmc_engine *e, uint64_t addr, uint64_t *bases, uint64_t 
         }
     }
     pthread_mutex_lock(&e->mu);
-    fmc_region *r = region_at_locked(e, addr, key);
+    fmc_region *r = fmc_region_at_locked(e, addr, key);
     if (r && !r->vmm) {
         r->vmm = x;
         x = NULL;

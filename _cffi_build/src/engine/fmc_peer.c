@@ -56,7 +56,6 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         st->rx_state = st->tx_state = FMC_ROLE_DONE;
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
-        st->zc_pipe[0] = st->zc_pipe[1] = -1;
         st->target_fd = -1;
     }
     *out = p;
@@ -487,6 +486,30 @@ int fmc_peer_lookup_keys(fmc_peer *p, int n, const uint64_t *remote, const uint6
     return FMC_OK;
 }
 
+/* Stop a peer: a pool connecting its streams stops first, then every stream is killed and its
+ * sides waited for, then its socket closed. */
+void fmc_peer_close(fmc_peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int was_closed = p->closed;
+    p->closed = 1;
+    while (p->growing) /* it stops at its next stream: none starts after this */
+        pthread_cond_wait(&p->grow_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    if (was_closed)
+        return;
+    for (int i = 0; i < p->nstreams; i++) {
+        fmc_stream *st = &p->streams[i];
+        fmc_stream_kill(st);
+        fmc_stream_wait_gone(st);
+        pthread_mutex_lock(&st->mu);
+        if (st->fd >= 0)
+            close(st->fd);
+        st->fd = -1;
+        pthread_mutex_unlock(&st->mu);
+    }
+}
+
 void fmc_peer_release(fmc_peer *p)
 {
     if (!p || atomic_fetch_sub(&p->refs, 1) != 1)
@@ -496,7 +519,6 @@ void fmc_peer_release(fmc_peer *p)
         for (int f = 0; f < FMC_STAGE_DEPTH; f++)
             fmc_cuda_fence_free(&p->streams[i].send_fence[f]);
         free(p->streams[i].scratch);
-        fmc_zc_pipe_close(p->streams[i].zc_pipe);
         fmc_reader_free(&p->streams[i].rd);
         fmc_stream_release(&p->streams[i]);
         pthread_mutex_destroy(&p->streams[i].mu);

@@ -49,7 +49,7 @@ static void queue_status(fmc_conn_state *cs, int ok, void *data, uint64_t len)
 /* A Mooncake initiator (v1 or v2 framing).  Mooncake has no keys: any registered region may be
  * addressed, which is why engines with a shared secret turn this framing off.  A refused write's
  * payload is not trusted to follow: v2 gets the rejection frame and the connection closes. */
-void fmc_mc_serve(fmc_conn_state *cs)
+void fmc_mc_serve(fmc_conn_state *cs, const fmc_conn_ops *ops)
 {
     fmc_engine *e = cs->e;
     int first = 1;
@@ -57,7 +57,7 @@ void fmc_mc_serve(fmc_conn_state *cs)
         if (!first && fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE) {
             if (fmc_reader_try_more(&cs->rd) < 0)
                 break;
-            if (fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE && fmc_conn_flush(cs) < 0)
+            if (fmc_reader_buffered(&cs->rd) < FMC_MC_HDR_SIZE && ops->flush(cs) < 0)
                 break;
         }
         if (fmc_reader_fill(&cs->rd, FMC_MC_HDR_SIZE) < 0)
@@ -76,7 +76,7 @@ void fmc_mc_serve(fmc_conn_state *cs)
             break;
         }
         int is_write = op == FMC_MC_OP_WRITE;
-        fmc_region *r = size ? fmc_conn_pin(cs, addr, size, NULL, is_write) : NULL;
+        fmc_region *r = size ? ops->pin(cs, addr, size, NULL, is_write) : NULL;
         if (size && !r) {
             refuse(cs, is_write, addr, size);
             if (v2)
@@ -86,7 +86,7 @@ void fmc_mc_serve(fmc_conn_state *cs)
         } else if (is_write) {
             int rc = size ? fmc_reader_read_region(&cs->rd, (void *)(uintptr_t)addr, (size_t)size) : 0;
             if (r)
-                fmc_conn_unpin(cs, r);
+                ops->unpin(cs, r);
             if (rc < 0)
                 break;
             if (rc == FMC_READ_REFUSED) {
@@ -116,11 +116,11 @@ void fmc_mc_serve(fmc_conn_state *cs)
             cs->served_out += size;
         }
         if (cs->niov + 2 > FMC_IOV_MAX || cs->out_bytes >= FMC_FLUSH_BYTES) {
-            if (fmc_conn_flush(cs) < 0)
+            if (ops->flush(cs) < 0)
                 break;
         }
     }
-    fmc_conn_flush(cs);
+    ops->flush(cs);
 }
 
 /* ---------------------------------------------------------------- initiator side */

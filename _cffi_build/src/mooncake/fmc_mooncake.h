@@ -34,9 +34,11 @@ static inline void fmc_mc_hdr_encode(uint8_t out[FMC_MC_HDR_SIZE], uint64_t size
 
 /* ---------------------------------------------------------------- serving a Mooncake initiator */
 struct fmc_conn_state;
+struct fmc_conn_ops;
 /* Serve a data connection whose first bytes are not our preamble, in Mooncake's framing (v1 or
- * v2), until it ends; the connection's answers are flushed before it returns. */
-void fmc_mc_serve(struct fmc_conn_state *cs);
+ * v2), until it ends, through the server's `ops`; the connection's answers are flushed before
+ * it returns. */
+void fmc_mc_serve(struct fmc_conn_state *cs, const struct fmc_conn_ops *ops);
 /* Mooncake's framing is turned off on this engine: a v2 initiator gets a rejection it acts on at
  * once; the caller then closes the connection. */
 void fmc_mc_refuse_connection(struct fmc_conn_state *cs);

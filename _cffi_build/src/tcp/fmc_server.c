@@ -1,6 +1,6 @@
 /* Target side of the native data plane: one accept thread per engine; inbound connections are
- * served by the process's serve pool (fmc_serve_pool.c), one worker at a time per connection
- * while it has input (Mooncake's framing keeps a thread per connection).  Every request is
+ * served by the process's serve pool (below, on fmc_worker_pool.c), one worker at a time per
+ * connection while it has input (Mooncake's framing keeps a thread per connection).  Every request is
  * checked against the registry (range and key) before a byte is touched; writes go straight into registered memory and are answered after they land; reads are sent
  * straight from registered memory.  Answers are gathered and flushed when the input runs dry. */
 #define _GNU_SOURCE
@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "fmc_mooncake.h"
 #include "fmc_tcp_conn.h"
 #include "fmc_wire.h"
+#include "fmc_worker_pool.h"
 
 #define FMC_MAX_SERVER_CONNS 4096
 #define FMC_PREAMBLE_TIMEOUT_MS 5000
@@ -436,16 +438,9 @@ static int flush(fmc_conn_state *cs)
     return rc < 0 || cs->broken ? -1 : rc;
 }
 
-/* pin, unpin and flush for Mooncake's framing (fmc_mooncake.c); the native loop calls the
- * static versions, which the compiler may inline. */
-fmc_region *fmc_conn_pin(fmc_conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write)
-{
-    return pin(cs, addr, len, key, for_write);
-}
-
-void fmc_conn_unpin(fmc_conn_state *cs, fmc_region *r) { unpin(cs, r); }
-
-int fmc_conn_flush(fmc_conn_state *cs) { return flush(cs); }
+/* pin, unpin and flush for Mooncake's framing (fmc_mooncake.c); the native loop calls them
+ * directly, where the compiler may inline them. */
+static const fmc_conn_ops conn_ops = {.pin = pin, .unpin = unpin, .flush = flush};
 
 static void queue_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len)
 {
@@ -1137,7 +1132,7 @@ static void conn_finish(fmc_conn_state *cs)
 static void *mooncake_main(void *arg)
 {
     fmc_conn_state *cs = arg;
-    fmc_mc_serve(cs);
+    fmc_mc_serve(cs, &conn_ops);
     conn_finish(cs);
     return NULL;
 }
@@ -1156,11 +1151,37 @@ static void start_mooncake_thread(fmc_conn_state *cs)
     pthread_attr_destroy(&attr);
 }
 
-void fmc_conn_serve(fmc_conn_state *cs)
+/* The serve pool: one per process, shared by every engine's inbound data connections, instead
+ * of one thread per connection.  A worker takes a connection that has input and serves it
+ * (serve_event) until its input runs dry, then hands it back to the set.  A connection stalled
+ * inside a request holds its worker until the socket's stall timeout drops it; a stalled write
+ * payload is parked instead. */
+static void serve_event(void *cs, uint32_t events);
+static fmc_worker_pool serve_pool = FMC_WORKER_POOL_INIT("serve", serve_event, 0);
+
+int fmc_serve_pool_set_threads(int n) { return fmc_pool_set_cap(&serve_pool, n); }
+
+int fmc_serve_pool_start(void) { return fmc_pool_start(&serve_pool); }
+
+void fmc_serve_pool_counts(int *workers, int *cap) { fmc_pool_counts(&serve_pool, workers, cap); }
+
+/* Watch a connection for input, once (op: EPOLL_CTL_ADD for a new one, EPOLL_CTL_MOD after
+ * serving).  The set exists: every engine made it (fmc_serve_pool_start) before it could
+ * accept a connection. */
+static int watch_conn(fmc_conn_state *cs, int fd, int op)
 {
+    return fmc_pool_watch(&serve_pool, fd, cs, EPOLLIN | EPOLLRDHUP, op);
+}
+
+/* Serve a connection that has input until it runs dry (then it goes back to the pool's set) or
+ * ends (then it is closed and freed). */
+static void serve_event(void *owner, uint32_t events)
+{
+    (void)events;
+    fmc_conn_state *cs = owner;
     switch (serve_some(cs)) {
     case SERVE_YIELD:
-        if (fmc_serve_pool_rearm(cs, cs->c->fd) == FMC_OK)
+        if (watch_conn(cs, cs->c->fd, EPOLL_CTL_MOD) == FMC_OK)
             return;
         flush(cs);
         conn_finish(cs);
@@ -1235,7 +1256,7 @@ static void start_conn(fmc_engine *e, int fd)
     e->conns = c;
     e->nconns++;
     pthread_mutex_unlock(&e->mu);
-    if (fmc_serve_pool_add(cs, fd) != FMC_OK) {
+    if (watch_conn(cs, fd, EPOLL_CTL_ADD) != FMC_OK) {
         fmc_engine_log(e, "refused a data connection: %s", fmc_last_error());
         shutdown(fd, SHUT_RDWR); /* the clean-up path without serving */
         conn_finish(cs);

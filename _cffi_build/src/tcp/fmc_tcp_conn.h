@@ -94,18 +94,16 @@ typedef struct fmc_conn_state {
     } parked;
 } fmc_conn_state;
 
-/* Serve a connection that has input until it runs dry (then it goes back to the pool's set) or
- * ends (then it is closed and freed); called by the serve pool's workers (fmc_serve_pool.c). */
-void fmc_conn_serve(fmc_conn_state *cs);
-/* The serve pool: watch a new connection, or watch it again after serving. */
-int fmc_serve_pool_add(fmc_conn_state *cs, int fd);
-int fmc_serve_pool_rearm(fmc_conn_state *cs, int fd);
 
-/* Pin the region that holds [addr, addr+len) under `key` (NULL: Mooncake's key-less framing,
- * host memory only), writable if asked; NULL if none.  Unpin releases one such use. */
-fmc_region *fmc_conn_pin(fmc_conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write);
-void fmc_conn_unpin(fmc_conn_state *cs, fmc_region *r);
-/* Send every queued answer and release the pins they needed; -1 on a broken connection. */
-int fmc_conn_flush(fmc_conn_state *cs);
+/* What serving Mooncake's framing (fmc_mooncake.c) uses of a connection, handed in by the
+ * server, so that the framing's code never calls into the server.  pin: the region that holds
+ * [addr, addr+len) under `key` (NULL: Mooncake's key-less framing, host memory only), writable
+ * if asked; NULL if none.  unpin releases one such use.  flush sends every queued answer and
+ * releases the pins they needed; -1 on a broken connection. */
+typedef struct fmc_conn_ops {
+    fmc_region *(*pin)(fmc_conn_state *cs, uint64_t addr, uint64_t len, const uint32_t *key, int for_write);
+    void (*unpin)(fmc_conn_state *cs, fmc_region *r);
+    int (*flush)(fmc_conn_state *cs);
+} fmc_conn_ops;
 
 #endif

@@ -1,6 +1,6 @@
 /* A pool of threads around one epoll set (fmc_worker_pool.c): the shape both sides of TCP
  * use, so that threads follow the sockets with work at the moment, not the sockets that exist.
- * The target side serves inbound connections with one (fmc_serve_pool.c); the initiator side
+ * The target side serves inbound connections with one (fmc_server.c); the initiator side
  * runs its streams' send and receive sides on another (fmc_stream.c). */
 #ifndef FMC_WORKER_POOL_H
 #define FMC_WORKER_POOL_H
