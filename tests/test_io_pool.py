@@ -117,7 +117,7 @@ def test_256_peers_inside_a_pids_cgroup_of_the_budget(direction):
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_stalled_mid_answer_does_not_hold_up_the_others():
+def test_a_peer_stalled_mid_answer_does_not_hold_up_the_others(tmp_path):
     """With FLAGCX_MC_IO_THREADS=1, a read from a peer that is stopped (SIGSTOP) while its
     answer is on the way holds the one thread in the middle of the payload; reads and writes
     to another peer still complete, verified, and the stalled read finishes once the peer goes
@@ -161,8 +161,9 @@ print(orjson.dumps({"read": result.get("read"), "digest": big.digest(0, big.size
         args = json.dumps([{"session": stalled.session, "addr": stalled.addr(0)},
                            {"session": other.session, "addr": other.addr(0)}])
         env = dict(os.environ, FLAGCX_MC_IO_THREADS="1")
+        # Run outside the source tree: the installed package (with its compiled core) is imported.
         proc = subprocess.Popen([sys.executable, "-c", script, args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env=env)
+                                text=True, env=env, cwd=tmp_path)
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "started"
         time.sleep(0.02)  # the read's answer is flowing (512 MiB take 0.1 s or more on loopback)
