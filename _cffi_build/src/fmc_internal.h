@@ -59,7 +59,8 @@ int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (common/fmc_util.c
  * their calling thread, which may also read their answers itself (fmc_batch.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
 /* A send deadline that means: never block; what the socket does not take now goes to the
- * stream's send side (fmc_transfer_start). */
+ * stream's send side, which goes on once the socket has room (fmc_transfer_start, and the send
+ * side's own rounds). */
 #define FMC_INLINE_NOWAIT (-2)
 /* fmc_spin_us, or 0 after a transfer that is not small. */
 int fmc_spin_us_after(const fmc_engine *e, uint64_t bytes);

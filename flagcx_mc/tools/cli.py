@@ -175,6 +175,8 @@ def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: 
     import importlib.util
     import json
     import tempfile
+    from collections.abc import Callable
+    from functools import partial
     from pathlib import Path
 
     from ..config import usable_cpus
@@ -184,27 +186,27 @@ def _run_peers_bench(counts: list[int], json_path: str, mooncake: bool, trials: 
     from .bench.targets import evaluate_targets
 
     engines = ["flagcx_mc"] + (["mooncake"] if mooncake and importlib.util.find_spec("mooncake") else [])
+
+    def measured(what: str, value: Callable[[dict], str], measure: Callable[[], dict]) -> dict:
+        """One row, the engines' stderr kept out of the report unless verbose, and a line of progress."""
+        with contextlib.ExitStack() as stack:
+            log = None if verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
+            with stderr_to(log):
+                row = measure()
+        print(f"{what}: {value(row)}" + (f", error: {row['error']}" if row["error"] else ""), flush=True)
+        return row
+
     rows = []
     for n in counts:
         for direction in ("out", "in"):
             for engine in engines:
-                with contextlib.ExitStack() as stack:
-                    log = None if verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
-                    with stderr_to(log):
-                        row = measure_peers(engine, direction, n, 1 << 20, trials=trials)
-                print(f"{engine:<10} {direction:>3} {n:>4} peers: {row['gbps']:.2f} GB/s"
-                      + (f", error: {row['error']}" if row["error"] else ""), flush=True)
-                rows.append(row)
+                rows.append(measured(f"{engine:<10} {direction:>3} {n:>4} peers", lambda r: f"{r['gbps']:.2f} GB/s",
+                                     partial(measure_peers, engine, direction, n, 1 << 20, trials=trials)))
     first = []
     if max(counts) >= 2:  # the most initiators reaching one target at once
         for engine in engines:
-            with contextlib.ExitStack() as stack:
-                log = None if verbose else stack.enter_context(tempfile.TemporaryFile("w+"))
-                with stderr_to(log):
-                    row = measure_first_contact(engine, max(counts))
-            print(f"{engine:<10} first contact of {max(counts)}: {row['seconds']:.3f} s"
-                  + (f", error: {row['error']}" if row["error"] else ""), flush=True)
-            first.append(row)
+            first.append(measured(f"{engine:<10} first contact of {max(counts)}", lambda r: f"{r['seconds']:.3f} s",
+                                  partial(measure_first_contact, engine, max(counts))))
     result: dict = {"peers": rows, "first_contact": first, "cpus": usable_cpus(), "targets": [], "errors": [],
                     "verified": all(r["verified"] for r in rows + first)}
     result["targets"] = _peers_only(evaluate_targets(targets, result)) if targets else []

@@ -525,6 +525,7 @@ void fmc_peer_release(fmc_peer *p)
         pthread_cond_destroy(&p->streams[i].cv);
     }
     pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->grow_cv);
     fmc_sh_peer_release(p);
     for (int i = 0; i < p->r_count; i++) {
         if (p->r_ipc_mapped && p->r_ipc_mapped[i])

@@ -2,10 +2,6 @@
  * opens, more on the I/O pool as transfers come that would use them; and their health. */
 #define _GNU_SOURCE
 #include <stddef.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"

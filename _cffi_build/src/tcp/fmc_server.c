@@ -1280,6 +1280,7 @@ static void drop_silent(fmc_engine *e)
 void *fmc_server_accept_main(void *arg)
 {
     fmc_engine *e = arg;
+    int64_t swept = 0;
     for (;;) {
         struct pollfd pfd[2] = {{.fd = e->listen_fd, .events = POLLIN}, {.fd = e->wake_pipe[0], .events = POLLIN}};
         int n = poll(pfd, 2, 1000);
@@ -1288,7 +1289,13 @@ void *fmc_server_accept_main(void *arg)
         pthread_mutex_unlock(&e->mu);
         if (stopping)
             break;
-        drop_silent(e);
+        /* Once a second, as when idle: a burst of connections does not walk the list (under the
+         * engine's lock) once per accept. */
+        int64_t now = fmc_now_ms();
+        if (now - swept >= 1000) {
+            drop_silent(e);
+            swept = now;
+        }
         if (n <= 0 || !(pfd[0].revents & POLLIN))
             continue;
         int fd = accept4(e->listen_fd, NULL, NULL, SOCK_CLOEXEC);

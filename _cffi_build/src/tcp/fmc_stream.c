@@ -78,15 +78,17 @@ void fmc_io_pool_run_soon(fmc_pool_timer *t)
         fmc_pool_timer_add(&io_pool, t, fmc_now_ms());
 }
 
+/* What the armed sides wait for (st->mu held). */
+static uint32_t wanted_events(const fmc_stream *st)
+{
+    return (st->rx_state == FMC_ROLE_ARMED ? st->rx_events : 0) | (st->tx_state == FMC_ROLE_ARMED ? EPOLLOUT : 0);
+}
+
 /* Watch the socket for what the armed sides wait for (st->mu held).  A watch still set for the
  * same events is left alone, so a small call that finds its stream idle costs no syscall. */
 static void watch_locked(fmc_stream *st)
 {
-    uint32_t want = 0;
-    if (st->rx_state == FMC_ROLE_ARMED)
-        want |= st->rx_events;
-    if (st->tx_state == FMC_ROLE_ARMED)
-        want |= EPOLLOUT;
+    uint32_t want = wanted_events(st);
     if (!want || st->fd < 0 || st->watched == want)
         return;
     if (fmc_pool_watch(&io_pool, st->fd, st->io, want, EPOLL_CTL_MOD) == FMC_OK)
@@ -136,7 +138,7 @@ static int roles_start_locked(fmc_stream *st)
     st->rx_state = FMC_ROLE_ARMED;
     st->rx_events = EPOLLRDHUP | (st->inflight.head ? EPOLLIN : 0);
     st->tx_state = st->pending.head || st->handoff || ack_due(st) ? FMC_ROLE_ARMED : FMC_ROLE_OFF;
-    st->watched = st->rx_events | (st->tx_state == FMC_ROLE_ARMED ? EPOLLOUT : 0);
+    st->watched = wanted_events(st);
     int rc = fmc_pool_watch(&io_pool, st->fd, st->io, st->watched, EPOLL_CTL_ADD);
     if (rc != FMC_OK) {
         st->roles_alive = 0;
@@ -627,8 +629,9 @@ static int send_round_iov(fmc_stream *st, send_scratch *sc, int niov, int nw, in
  * it.  Called with st->mu held, pending non-empty or an acknowledgement due, and no other round
  * in progress; returns with st->mu held.  The slices move
  * to `inflight` before the first byte leaves, because their answers may come back before
- * sendmsg returns.  deadline_ms < 0: block; otherwise give up at that time (-2). */
-#define POOL_NOWAIT (-3) /* send_round from the send side: as FMC_INLINE_NOWAIT */
+ * sendmsg returns.  deadline_ms >= 0: give up at that time (-2); FMC_INLINE_NOWAIT (an idle
+ * stream's caller, or the send side itself): send what the socket takes now and hand the rest
+ * to the send side. */
 static int send_round(fmc_stream *st, int64_t deadline_ms)
 {
     if (!st->scratch && !(st->scratch = malloc(sizeof *st->scratch)))
@@ -713,7 +716,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (first_sent)
         rx_expect_answers_locked(st); /* before the first byte leaves */
     int fd = st->fd;
-    if (deadline_ms == FMC_INLINE_NOWAIT || deadline_ms == POOL_NOWAIT) {
+    if (deadline_ms == FMC_INLINE_NOWAIT) {
         /* A GPU source (staging waits on a copy) or a zero-copy payload goes whole to the send
          * side, which sends it blocking; otherwise send what the socket takes now and leave the
          * rest to the send side, which goes on once the socket has room. */
@@ -829,7 +832,7 @@ static void tx_run(fmc_stream *st)
         if (st->dead)
             break;
         if ((st->pending.head || ack_due(st)) && !st->sending_active) {
-            if (send_round(st, POOL_NOWAIT) < 0)
+            if (send_round(st, FMC_INLINE_NOWAIT) < 0)
                 break;
             continue;
         }
@@ -896,7 +899,6 @@ static int remote_status(int32_t status)
         return status;
     return FMC_ERR_SOCKET;
 }
-
 
 static void receiving_remove(fmc_stream *st, fmc_slice *x)
 {
