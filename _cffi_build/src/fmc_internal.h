@@ -508,6 +508,7 @@ typedef struct fmc_stream {
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
+    int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     int zc_link;              /* the connection stays within this host: zero-copy sends pay off */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */

@@ -115,7 +115,7 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
                 return cnt ? fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0) : 0;
             }
             if (out <= 0)
-                return -1; /* the stream dies; the sender closes the pipe (it may hold pages) */
+                return -1; /* the stream dies; its pipe is closed with it */
             left -= (size_t)out;
         }
     }

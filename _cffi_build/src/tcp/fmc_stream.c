@@ -249,6 +249,7 @@ static void role_exit(fmc_stream *st, int *state)
         st->fd = -1;
     }
     st->watched = 0;
+    fmc_zc_pipe_close(st->zc_pipe); /* pages spliced into it and never sent */
     list_append(&left, &st->receiving);
     list_append(&left, &st->inflight);
     list_append(&left, &st->answered); /* empty in practice: the send side drains it */
@@ -458,33 +459,11 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
  * lossy links), for a copy the sender's CPU can afford at network rates. */
 static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enabled(st->peer->engine); }
 
-/* Zero-copy sends go through a pipe of the sending thread (an I/O pool worker), not of the
- * stream: the helper fds follow the threads, not the peers.  A send that succeeded leaves it
- * empty; one that failed may leave pages in it, so it is closed then (and opened again on next
- * use), and it is closed when its thread ends. */
-static __thread int thread_pipe[2] = {-1, -1};
-static pthread_key_t thread_pipe_key;
-static pthread_once_t thread_pipe_once = PTHREAD_ONCE_INIT;
-
-static void thread_pipe_close(void *unused)
-{
-    (void)unused;
-    fmc_zc_pipe_close(thread_pipe);
-}
-
-static void thread_pipe_key_make(void) { pthread_key_create(&thread_pipe_key, thread_pipe_close); }
-
 /* A run of payloads spliced (counted for the engine's stats). */
 static int send_zc(fmc_stream *st, int fd, struct iovec *iov, int n, const uint8_t *zc)
 {
     st->peer->engine->stat_zc_sends++;
-    pthread_once(&thread_pipe_once, thread_pipe_key_make);
-    if (thread_pipe[0] < 0)
-        pthread_setspecific(thread_pipe_key, thread_pipe); /* non-NULL: the destructor runs */
-    int rc = fmc_sendv_zc(fd, iov, n, zc, thread_pipe);
-    if (rc < 0)
-        fmc_zc_pipe_close(thread_pipe); /* pages spliced into it and never sent */
-    return rc;
+    return fmc_sendv_zc(fd, iov, n, zc, st->zc_pipe);
 }
 
 /* A round's iovecs [from, to) leave: zero-copy where flagged, by the deadline where one is set. */
