@@ -140,11 +140,17 @@ static void grow_fire(fmc_pool_timer *t)
     fmc_peer *p = (fmc_peer *)((char *)t - offsetof(fmc_peer, grow));
     fmc_pool_blocking_begin(); /* connects, and maybe the peer's last release (closing it) */
     int reached = connect_the_rest(p);
+    /* A larger transfer that came meanwhile wants more: once more, on the same queued flag and
+     * reference, unless a stream could not be connected or the peer is closing (then the next
+     * large transfer asks again). */
+    if (reached && atomic_load(&p->nready) < atomic_load(&p->grow_want)) {
+        fmc_io_pool_run_soon(&p->grow);
+        fmc_pool_blocking_end();
+        return;
+    }
     atomic_store(&p->grow_queued, 0);
-    /* A larger transfer that came meanwhile wants more: once more, unless a stream could not be
-     * connected or the peer is closing (then the next large transfer asks again). */
     if (reached && atomic_load(&p->nready) < atomic_load(&p->grow_want))
-        grow_queue(p);
+        grow_queue(p); /* wanted while the flag was still set: its fmc_peer_grow found it so */
     fmc_peer_release(p);
     fmc_pool_blocking_end();
 }
@@ -154,7 +160,7 @@ static void grow_queue(fmc_peer *p)
     int idle = 0;
     if (!atomic_compare_exchange_strong(&p->grow_queued, &idle, 1))
         return; /* the queued run sees the new want */
-    atomic_fetch_add(&p->refs, 1); /* the pool's, until grow_fire ends */
+    atomic_fetch_add(&p->refs, 1); /* the pool's, while grow_queued is set (fmc_peer_idle_ms) */
     p->grow.fire = grow_fire;
     fmc_io_pool_run_soon(&p->grow);
 }
@@ -191,7 +197,8 @@ int fmc_peer_is_healthy(fmc_peer *p)
  * owner's mean a transfer in flight or not yet collected: busy, -1. */
 int64_t fmc_peer_idle_ms(fmc_peer *p)
 {
-    if (atomic_load(&p->refs) > 1)
+    /* The I/O pool's reference while it connects more streams is no transfer. */
+    if (atomic_load(&p->refs) - atomic_load(&p->grow_queued) > 1)
         return -1;
     int64_t used = __atomic_load_n(&p->last_used_ms, __ATOMIC_RELAXED);
     int64_t idle = fmc_now_ms() - used;
