@@ -81,7 +81,9 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--compare-build", metavar="PATH",
                        help="also run the tcp rows with the engines of another flagcx_mc source tree built in place "
                             "(python setup.py build_ext --inplace there), as transport tcp-build: a change measured "
-                            "against what it changed, in the same run")
+                            "against what it changed, in the same run; name gpu-tcp-build, gpu-tcp-paged-build "
+                            "(any of tcp, gpu-tcp, gpu-tcp-paged, gpu-tcp-paged-10, gpu-host-tcp-paged with -build) "
+                            "in --transports for those rows")
     bench.add_argument("--incast", type=int, metavar="N",
                        help="over a link: also N initiators (engines in processes of their own) writing to one "
                             "target at once, beside one of them alone, flagcx_mc's and Mooncake's")

@@ -87,14 +87,21 @@ TRANSPORTS: tuple[Transport, ...] = (
     Transport("gpu-host-tcp-paged", "flagcx_mc", "cuda", "tcp", "gpu tcp limit",
               "GPU to host memory (write) and host to GPU (read) over native TCP, paged KV cache",
               layout="paged", target_memory="host"),
-    Transport("tcp-build", "flagcx_mc", "host", "tcp", "raw socket",
-              "native TCP, host memory, from another build of flagcx_mc (--compare-build)"),
     Transport("mooncake-tcp", "mooncake", "host", "", "raw socket", "Mooncake TCP transport (PyPI wheel)"),
     Transport("mooncake-gpu-tcp", "mooncake", "cuda", "", "gpu tcp limit",
               "Mooncake TCP transport, GPU memory (its CUDA wheel)"),
     Transport("mooncake-gpu-tcp-paged", "mooncake", "cuda", "", "gpu tcp limit",
               "Mooncake TCP transport, GPU memory, paged KV cache (its CUDA wheel)", layout="paged"),
 )
+
+# Transports whose engines come from another build (``--compare-build PATH``), named after the
+# one they repeat with a ``-build`` suffix: the same workload in the same run, so a change is
+# measured against what it changed.  ``tcp-build`` is the one added when no transport is named.
+COMPARED_BUILD = "tcp-build"
+_REBUILT = ("tcp", "gpu-tcp", "gpu-tcp-paged", "gpu-tcp-paged-10", "gpu-host-tcp-paged")
+TRANSPORTS += tuple(dataclasses.replace(t, name=f"{t.name}-build", summary=f"{t.summary}, from another build of "
+                                        "flagcx_mc (--compare-build)") for t in TRANSPORTS if t.name in _REBUILT)
+COMPARED_BUILDS = frozenset(f"{name}-build" for name in _REBUILT)
 
 
 @dataclasses.dataclass
@@ -105,7 +112,7 @@ class BenchOptions:
     paged_count: int = PAGED_COUNT
     ops: list[str] = dataclasses.field(default_factory=lambda: ["write", "read"])
     transports: list[str] = dataclasses.field(default_factory=lambda: [t.name for t in TRANSPORTS
-                                                                       if t.name != COMPARED_BUILD])
+                                                                       if t.name not in COMPARED_BUILDS])
     streams: int = dataclasses.field(default_factory=lambda: EngineConfig.from_env().streams_per_peer)
     repeat: int | None = None        # timed batches per trial; None: enough for target_bytes
     target_bytes: int = 256 * MiB       # bytes per trial when repeat is None
@@ -121,7 +128,7 @@ class BenchOptions:
     quick: bool = False
     targets: TargetSet | None = None  # checked against the result (targets.load_targets)
     targets_path: str | None = None   # where they came from, for the JSON
-    compare_build: str | None = None    # a source tree of flagcx_mc built in place: its tcp rows run beside (tcp-build)
+    compare_build: str | None = None    # a flagcx_mc tree built in place: its rows run beside (COMPARED_BUILDS)
     link: shaped.LinkSpec | None = None  # run the TCP rows across two namespaces over this link
     plain_streams: int = 4              # connections of the plain streams limit over a link
     incast: int = 0                     # over a link: this many initiators writing to one target at once
@@ -133,10 +140,6 @@ class BenchOptions:
         values.update(overrides)
         return cls(**values)
 
-
-# The transport whose engines come from another build (``--compare-build PATH``): the same
-# workload in the same run, so a change is measured against what it changed.
-COMPARED_BUILD = "tcp-build"
 
 # Over a shaped link: the TCP rows only, 64 KiB and 1 MiB blocks in 64 MiB calls by default (512
 # MiB a trial, so that a trial's figure takes in the stalls a lossy link brings, not one lucky
@@ -243,7 +246,7 @@ def mooncake_has_cuda() -> bool:
 
 
 def compared_build_problem(path: str | None) -> str | None:
-    """Why ``path`` cannot serve ``tcp-build``'s engines, or None."""
+    """Why ``path`` cannot serve the ``-build`` transports' engines, or None."""
     if not path:
         return "needs --compare-build PATH (a flagcx_mc source tree built in place)"
     package = Path(path) / "flagcx_mc"
@@ -256,7 +259,7 @@ def compared_build_problem(path: str | None) -> str | None:
 
 def availability(t: Transport, opts: BenchOptions) -> tuple[bool, str]:
     """Whether this build and machine can run the transport, and why not."""
-    if t.name == COMPARED_BUILD:
+    if t.name in COMPARED_BUILDS:
         problem = compared_build_problem(opts.compare_build)
         if problem:
             return False, f"not available ({problem})"
@@ -325,7 +328,7 @@ def stderr_to(log: IO[str] | None):
 def _launch(t: Transport, opts: BenchOptions) -> tuple[dict[str, str], list[str]]:
     """The environment and the argv prefix a transport's worker processes start with."""
     env = {"MC_FORCE_TCP": "1"}  # Mooncake: the TCP transport only (ignored by flagcx_mc)
-    if t.name != COMPARED_BUILD or not opts.compare_build:
+    if t.name not in COMPARED_BUILDS or not opts.compare_build:
         return env, []
     # Started in that tree with it first on the path, so `python -m` imports its flagcx_mc (and
     # whatever the path held before, for its dependencies).
