@@ -305,3 +305,74 @@ def test_a_shared_mapping_is_never_unmapped_under_a_running_copy():
     done = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip().endswith("ok")
+
+
+def test_hundreds_of_initiating_engines_reach_one_target_on_the_same_host_path():
+    """160 engines (in five processes) make their first call into one target at once, each
+    demanding the same-host path: every one gets a busy word of its own and lands its bytes."""
+    from flagcx_mc.tools.bench.peers import measure_first_contact
+
+    row = measure_first_contact("flagcx_mc", 160, config={"transport": "same-host"})
+    assert row["error"] is None and row["verified"], row
+
+
+def _busy_owners(pid: int, fd: int):
+    """The owner pids of a target's busy words, mapped from its control block (the memfd the
+    handshake names): its size says how many words there are (a u64 magic, 4096 u64 slot
+    states, then N u64 busy words and N int owners)."""
+    import mmap as mmap_module
+
+    with open(f"/proc/{pid}/fd/{fd}", "r+b") as f:
+        block = mmap_module.mmap(f.fileno(), 0)
+    words = (len(block) - 8 - 4096 * 8) // 12
+    return block, memoryview(block)[8 + 4096 * 8 + 8 * words:][:4 * words].cast("i")
+
+
+async def test_a_full_control_block_reclaims_dead_owners_and_refuses_live_ones(local_buf):
+    """When every busy word is taken, a new initiator takes those of dead processes; with all
+    owners alive, demanding the same-host path fails with a clear error and auto falls back to
+    TCP, landing every byte."""
+    target = NodeProcess(regions=[1 << 20])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    block = owners = None
+    try:
+        async def write(transport: str, offset: int) -> AsyncTransferEngine:
+            eng = AsyncTransferEngine(transfer_timeout=5.0, transport=transport)
+            try:
+                await eng.initialize("127.0.0.1")
+                await eng.register_memory(local_buf.addr, local_buf.size)
+                digest = local_buf.fill_random(offset, 4096)
+                await eng.transfer_sync_write(target.session, local_buf.addr + offset, target.addr(0, offset), 4096)
+            except BaseException:
+                await eng.close()
+                raise
+            assert target.call("digest", region=0, offset=offset, length=4096)["digest"] == digest
+            return eng
+
+        first = await write("same-host", 0)
+        native = first._state.require_sessions().peek(target.session).desc.native
+        await first.close()
+        block, owners = _busy_owners(native.pid, native.shm_fd)
+        for i in range(len(owners)):
+            owners[i] = dead.pid
+        eng = await write("same-host", 4096)
+        assert eng._state.require_sessions().peek(target.session).peer.same_host
+        assert sum(1 for o in owners if o == os.getpid()) >= 1  # took dead owners' words
+        await eng.close()
+        for i in range(len(owners)):
+            owners[i] = alive.pid
+        with pytest.raises(errors.NotSupportedError, match="no free same-host initiator slot"):
+            await write("same-host", 8192)
+        eng = await write("auto", 12288)
+        assert not eng._state.require_sessions().peek(target.session).peer.same_host
+        await eng.close()
+    finally:
+        if owners is not None:
+            owners.release()
+        if block is not None:
+            block.close()
+        alive.kill()
+        alive.wait()
+        target.close()

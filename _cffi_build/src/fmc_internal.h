@@ -284,13 +284,15 @@ void fmc_staging_release(fmc_staging *s);
 
 /* ------------------------------------------------------ same host (samehost/fmc_samehost.c) */
 #define FMC_SH_MAX_SLOTS 4096
-#define FMC_SH_MAX_INITIATORS 256
 #define FMC_SH_WORDS_PER_PEER 4   /* concurrent same-host copies to one peer */
+/* Busy words of a target's control block: FMC_SH_WORDS_PER_PEER for each initiating engine, so
+ * that a thousand engines (a host's workers, each reaching every other) copy into one target. */
+#define FMC_SH_BUSY_WORDS 4096
 typedef struct {
     uint64_t magic;
     _Atomic uint64_t slot_state[FMC_SH_MAX_SLOTS]; /* (generation << 1) | active */
-    _Atomic uint64_t busy[FMC_SH_MAX_INITIATORS];  /* 0, or slot + 1 while copying */
-    _Atomic int busy_pid[FMC_SH_MAX_INITIATORS];   /* owner of each busy word */
+    _Atomic uint64_t busy[FMC_SH_BUSY_WORDS];      /* 0, or slot + 1 while copying */
+    _Atomic int busy_pid[FMC_SH_BUSY_WORDS];       /* owner of each busy word */
 } fmc_sh_ctrl;
 
 /* --------------------------------------------------------- registry (common/fmc_registry.c) */

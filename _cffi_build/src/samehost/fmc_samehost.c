@@ -28,7 +28,7 @@
 
 #include "fmc_internal.h"
 
-#define SH_MAGIC 0x31304d4853434d46ull /* "FMCSHM01" */
+#define SH_MAGIC 0x32304d4853434d46ull /* "FMCSHM02": the layout of fmc_sh_ctrl */
 #define SH_CHUNK (4u << 20)            /* bytes per syscall: bounds the time between deadline checks */
 #define SH_IOV 1024
 
@@ -117,7 +117,7 @@ int fmc_sh_slot_revoke(fmc_engine *e, fmc_region *r)
     atomic_store(&e->sh->slot_state[slot], (uint64_t)r->sh_gen << 1);
     uint64_t mark = (uint64_t)slot + 1;
     int64_t give_up = fmc_now_ms() + 2000;
-    for (int i = 0; i < FMC_SH_MAX_INITIATORS; i++) {
+    for (int i = 0; i < FMC_SH_BUSY_WORDS; i++) {
         while (atomic_load(&e->sh->busy[i]) == mark) {
             int pid = atomic_load(&e->sh->busy_pid[i]);
             int state = pid > 0 ? process_state(pid) : 'X';
@@ -185,14 +185,28 @@ int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd, uint64_t ctrl_a
                       magic != SH_MAGIC && err == 0 ? "wrong data" : strerror(err));
         return FMC_ERR_NOT_IMPLEMENTED;
     }
-    /* Claim busy words (one per concurrent copy), reusing those of initiators that died. */
+    /* Claim busy words (one per concurrent copy): free ones, or else those of initiators that
+     * died.  Only a full block is searched for dead owners, and each owner's state is read once
+     * per run of its words: /proc/PID/stat costs tens of microseconds, and a hundred initiators
+     * arriving together each reading every other's made first contact quadratic. */
     int me = (int)getpid(), words[FMC_SH_WORDS_PER_PEER], nwords = 0;
-    for (int i = 0; i < FMC_SH_MAX_INITIATORS && nwords < FMC_SH_WORDS_PER_PEER; i++) {
+    for (int i = 0; i < FMC_SH_BUSY_WORDS && nwords < FMC_SH_WORDS_PER_PEER; i++) {
         int expected = 0;
-        if (atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
+        if (atomic_load_explicit(&c->busy_pid[i], memory_order_relaxed) == 0 &&
+            atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
             words[nwords++] = i;
-        else if (expected != me && (process_state(expected) == 'X' || process_state(expected) == 'Z') &&
-                 atomic_compare_exchange_strong(&c->busy_pid[i], &expected, me))
+    }
+    int known_pid = 0, known_dead = 0, full = nwords == 0;
+    for (int i = 0; full && i < FMC_SH_BUSY_WORDS && nwords < FMC_SH_WORDS_PER_PEER; i++) {
+        int owner = atomic_load(&c->busy_pid[i]);
+        if (owner == 0 || owner == me)
+            continue;
+        if (owner != known_pid) {
+            int state = process_state(owner);
+            known_pid = owner;
+            known_dead = state == 'X' || state == 'Z';
+        }
+        if (known_dead && atomic_compare_exchange_strong(&c->busy_pid[i], &owner, me))
             words[nwords++] = i;
     }
     if (nwords == 0) {
