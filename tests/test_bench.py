@@ -554,10 +554,10 @@ def test_the_projects_targets_file_loads():
     links = [(t.link, t.metric.split(":")[2], t.threshold) for t in loaded.targets if t.link]
     assert sorted(links) == [("clean", "mooncake", 1.5), ("lossy", "mooncake", 1.2), ("lossy", "plain streams", 0.8),
                              ("shaped", "plain streams", 0.9)]
-    gpu_tcp = [t for t in loaded.targets if t.metric.endswith(":gpu tcp limit")]
-    assert len(gpu_tcp) == 5 and all(t.better == "higher" for t in gpu_tcp)
-    assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.8, None)) == 4
-    assert [(t.threshold, t.min_block) for t in gpu_tcp].count((0.9, 1 << 20)) == 1
+    staged = {t.metric.split(":")[1]: t.threshold for t in loaded.targets if t.metric.endswith(":staged socket")}
+    assert staged == {"gpu-tcp": 0.9, "gpu-tcp-paged": 0.9, "gpu-tcp-paged-10": 0.9, "gpu-host-tcp-paged": 1.0}
+    small = [t for t in loaded.targets if t.metric == "throughput_ratio:tcp:socket calls"]
+    assert [(t.threshold, t.count, t.max_block, t.min_cpus) for t in small] == [(0.9, 64, 65536, 16)]
 
 
 def test_compare_build_runs_another_trees_engines_beside(tmp_path):
@@ -635,7 +635,36 @@ def test_a_target_with_a_block_range_is_judged_on_those_rows_only(tmp_path):
     assert out["from 1 GiB"]["status"] == "N/A" and "blocks from 1 GiB" in out["from 1 GiB"]["detail"]
 
 
+def test_a_target_with_a_count_or_min_cpus_judges_those_rows_and_hosts_only(tmp_path):
+    """``count`` picks the rows of that batch (not the largest); ``min_cpus`` leaves smaller
+    hosts N/A, saying why."""
+    rows = [{"transport": "tcp", "op": "write", "block": 4096, "count": n, "verified": True,
+             "ratios": {"socket calls": r}} for n, r in ((64, 0.7), (1024, 0.95))]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([
+        {"name": "x64", "metric": "throughput_ratio:tcp:socket calls", "threshold": 0.9, "better": "higher",
+         "count": 64},
+        {"name": "largest", "metric": "throughput_ratio:tcp:socket calls", "threshold": 0.9, "better": "higher"},
+        {"name": "x8", "metric": "throughput_ratio:tcp:socket calls", "threshold": 0.9, "better": "higher",
+         "count": 8},
+        {"name": "16 CPUs", "metric": "throughput_ratio:tcp:socket calls", "threshold": 0.9, "better": "higher",
+         "count": 64, "min_cpus": 16}]))
+    loaded = tg.load_targets(str(path), TRANSPORT_NAMES)
+    for cpus, big_host in ((2, False), (16, True)):
+        result = {"rows": rows, "transports": {"tcp": {"available": True}}, "host": {"cpus": cpus}}
+        out = {t["name"]: t for t in tg.evaluate_targets(loaded, result)}
+        assert out["x64"]["status"] == "MISS" and out["x64"]["measured"] == 0.7
+        assert out["largest"]["status"] == "PASS" and out["largest"]["measured"] == 0.95
+        assert out["x8"]["status"] == "N/A" and "8 blocks per call" in out["x8"]["detail"]
+        if big_host:
+            assert out["16 CPUs"]["status"] == "MISS" and out["16 CPUs"]["measured"] == 0.7
+        else:
+            assert out["16 CPUs"]["status"] == "N/A" and "16 CPUs or more; this one has 2" in out["16 CPUs"]["detail"]
+
+
 @pytest.mark.parametrize("bounds,complaint", [
+    ({"count": 0}, "positive whole number"),
+    ({"min_cpus": "many"}, "positive whole number"),
     ({"min_block": -1}, "block sizes in bytes"),
     ({"max_block": "1m"}, "block sizes in bytes"),
     ({"min_block": 2048, "max_block": 1024}, "above max_block"),

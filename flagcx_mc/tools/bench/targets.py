@@ -5,13 +5,16 @@ bare JSON list works too) of ``{"name", "metric", "threshold", "better"}``, ``be
 ``"higher"`` or ``"lower"``, and optionally ``note_steal_from``: the hypervisor steal share from
 which a target's line names the steal seen during its worst shape.  A target may also have
 ``min_block`` and ``max_block`` (bytes): it is then judged on the rows of blocks in that range
-only (e.g. a stricter threshold from 1 MiB up); and ``link`` (``clean``, ``shaped`` or ``lossy``):
-it then judges only runs over such a link (``flagcx-mc bench --link``), which no other target
-judges.  A metric is a worst case over measured rows,
-written ``kind:transport:against``:
+only (e.g. a stricter threshold from 1 MiB up); ``count``: it is judged on rows of that many
+blocks per call instead of the largest batch; ``min_cpus``: it judges only runs on hosts of at
+least that many CPUs (a target that one core per connection makes reachable), N/A elsewhere; and
+``link`` (``clean``, ``shaped`` or ``lossy``): it then judges only runs over such a link
+(``flagcx-mc bench --link``), which no other target judges.  A metric is a worst case over
+measured rows, written ``kind:transport:against``:
 
 - ``throughput_ratio:T:B`` -- GB/s of transport ``T`` over baseline ``B`` (a physical limit of
-  ``limits.BASELINES`` or ``mooncake``), at the largest batch of each block size; the lowest;
+  ``limits.BASELINES`` or ``mooncake``), at the largest batch of each block size (or at
+  ``count``); the lowest;
 - ``cpu_ratio:T:mooncake`` -- the initiator's CPU seconds per GiB over Mooncake's on the same
   rows; the highest;
 - ``p50_latency_ratio:T:U`` -- median latency of one 4 KiB synchronous write, ``T``'s over
@@ -63,6 +66,8 @@ class Target:
     max_block: int | None = None
     link: str | None = None  # judged on runs over a link of this kind only (LINK_KINDS); None: loopback runs
     min_peers: int = 64  # peers targets: the least peer count judged
+    count: int | None = None  # throughput targets: judged on rows of this batch, not the largest
+    min_cpus: int | None = None  # judged on hosts of at least this many CPUs only
 
     def takes_run(self, result: dict) -> bool:
         """Whether this target judges ``result``: a link target a run over a link of its kind, any
@@ -123,6 +128,11 @@ def _check(target: Target, transports: tuple[str, ...]) -> None:
         raise TargetsError(f"{target.name!r}: min_block {target.min_block} is above max_block {target.max_block}")
     if (target.min_block is not None or target.max_block is not None) and kind == "p50_latency_ratio":
         raise TargetsError(f"{target.name!r}: a latency target has one size; min_block and max_block do not apply")
+    for name, value in (("count", target.count), ("min_cpus", target.min_cpus)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise TargetsError(f"{target.name!r}: {name} is a positive whole number, not {value!r}")
+    if target.count is not None and kind != "throughput_ratio":
+        raise TargetsError(f"{target.name!r}: count applies to throughput_ratio targets only")
     if target.link is not None and target.link not in LINK_KINDS:
         raise TargetsError(f"{target.name!r}: link must be one of {', '.join(LINK_KINDS)}, not {target.link!r}")
     if target.better not in ("higher", "lower"):
@@ -155,7 +165,8 @@ def load_targets(path: str, transports: tuple[str, ...]) -> TargetSet:
             target = Target(name=str(item["name"]), metric=str(item["metric"]), threshold=float(item["threshold"]),
                             better=str(item["better"]), min_block=item.get("min_block"),
                             max_block=item.get("max_block"), link=item.get("link"),
-                            min_peers=int(item.get("min_peers", 64)))
+                            min_peers=int(item.get("min_peers", 64)), count=item.get("count"),
+                            min_cpus=item.get("min_cpus"))
         except (TypeError, KeyError, ValueError) as exc:
             raise TargetsError(f"{path}: a target needs name, metric, threshold (a number) and better: {item!r} "
                                f"({type(exc).__name__}: {exc})") from None
@@ -203,13 +214,19 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
         pairs = [(r["calls_per_s"][top] / r["calls_per_s"][bottom], r) for r in calls
                  if r["calls_per_s"].get(top) and r["calls_per_s"].get(bottom)]
         return pairs, "" if pairs else f"no async calls measured on {transport} (flagcx-mc bench --async)"
-    all_rows = throughput_rows(result.get("rows", []), transport)
+    if target.count is None:
+        all_rows = throughput_rows(result.get("rows", []), transport)
+    else:
+        all_rows = [r for r in result.get("rows", []) if r["transport"] == transport and r["verified"]
+                    and r["count"] == target.count]
     rows = [r for r in all_rows if target.takes_block(r["block"])]
 
     def value_of(r: dict) -> float | None:
         return r.get("cpu_vs_mooncake") if kind == "cpu_ratio" else r.get("ratios", {}).get(against)
 
     values = [(v, r) for r in rows if (v := value_of(r)) is not None]
+    if not all_rows and target.count is not None and throughput_rows(result.get("rows", []), transport):
+        return values, f"no {transport} rows of {target.count} blocks per call"
     if not values and all_rows and not rows:
         return values, f"no {transport} rows of {target.block_range()}"
     others = _mooncake_transports(result) if against == "mooncake" else [against]
@@ -257,7 +274,12 @@ def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
     for t in targets.targets:
         if not t.takes_run(result):
             continue  # a loopback target in a run over a link, or one for another kind of link
-        values, why = _values(t, result)
+        cpus = result.get("cpus") or (result.get("host") or {}).get("cpus")
+        values: list[tuple[float, dict]]
+        if t.min_cpus is not None and (cpus or 0) < t.min_cpus:
+            values, why = [], f"judged on hosts of {t.min_cpus} CPUs or more; this one has {cpus}"
+        else:
+            values, why = _values(t, result)
         entry: dict[str, Any] = {"name": t.name, "metric": t.metric, "threshold": t.threshold, "better": t.better,
                                  "measured_median": None, "steal": None}
         if not values:
