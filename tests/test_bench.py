@@ -850,3 +850,22 @@ def test_a_tiny_peers_run_verifies_every_range_and_reports_budgets(tmp_path):
     check = subprocess.run([sys.executable, "-m", "flagcx_mc", "bench", "--check", str(out)], capture_output=True,
                            text=True, timeout=60, cwd=ROOT / "examples")
     assert check.returncode == 0 and "budget with" in check.stdout, check.stdout + check.stderr
+
+
+def test_paged_calls_are_also_shown_as_requests_beside_the_sockets():
+    """A paged row as one request: its time per call, and the time the raw and the staged
+    socket take for its bytes at their measured rates (the ratios say what those rates were)."""
+    mib = 1 << 20
+    row = {"transport": "gpu-tcp-paged", "op": "write", "block": 16 << 10, "count": 8192, "layout": "paged",
+           "verified": True, "gbps": 10.0, "ratios": {"raw socket": 0.5, "staged socket": 0.8}}
+    contiguous = dict(row, transport="gpu-tcp", layout="contiguous")
+    [q] = report.request_times([row, contiguous, dict(row, verified=False)])
+    assert q["bytes"] == 128 * mib
+    assert q["ms"] == pytest.approx(128 * mib / 10e9 * 1e3)
+    assert q["raw_socket_ms"] == pytest.approx(128 * mib / 20e9 * 1e3)
+    assert q["staged_socket_ms"] == pytest.approx(128 * mib / 12.5e9 * 1e3)
+
+
+def test_paged_count_must_be_whole_layers(tmp_path):
+    proc, _ = _bench(tmp_path, "--paged-count", "100", "--transports", "gpu-tcp-paged")
+    assert proc.returncode == 2 and "multiple of 64" in proc.stderr

@@ -42,6 +42,10 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--paged-blocks", type=_csv(parse_size), metavar="SIZES",
                        help="block sizes of the paged-KV transports (default 16k,32k,64k; 1024 blocks a call "
                             "from 32 layers' K and V tensors at random block ids)")
+    bench.add_argument("--paged-count", type=int, metavar="N",
+                       help="blocks per call of the paged-KV transports, a multiple of 64 (default 1024; 8192 is a "
+                            "vLLM request of 128 blocks from each of 32 layers' K and V); their calls are also "
+                            "shown as requests, in ms beside the raw and the staged socket")
     bench.add_argument("--streams", type=int,
                        help="data streams per peer, the raw socket baseline's too (default: the engine's, "
                             "half the CPUs from 4 to 8)")
@@ -120,8 +124,11 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     given = {"blocks": args.blocks, "batches": args.batch, "transports": args.transports, "repeat": args.repeat,
              "trials": args.trials, "latency_n": args.latency_n, "streams": args.streams,
-             "steal_retries": args.steal_retries, "paged_blocks": args.paged_blocks}
+             "steal_retries": args.steal_retries, "paged_blocks": args.paged_blocks, "paged_count": args.paged_count}
     overrides = {k: v for k, v in given.items() if v is not None}
+    if args.paged_count is not None and (args.paged_count < 64 or args.paged_count % 64):
+        print(f"--paged-count takes a multiple of 64 (32 layers' K and V), not {args.paged_count}", file=sys.stderr)
+        return 2
     bad_ops = set(args.ops) - {"write", "read"}
     if bad_ops or not args.ops:
         print(f"--ops takes write and/or read, not {','.join(sorted(bad_ops)) or 'nothing'}", file=sys.stderr)

@@ -17,8 +17,8 @@ from ..._extras import install_hint
 from ..._units import fmt_size
 from .limits import BASELINES, also_against
 
-__all__ = ["add_ratios", "draw_png", "print_report", "print_targets", "steal_summary", "throughput_rows", "verdict",
-           "write_json"]
+__all__ = ["add_ratios", "draw_png", "print_report", "print_targets", "request_times", "steal_summary",
+           "throughput_rows", "verdict", "write_json"]
 
 
 def add_ratios(rows: list, baselines: list, limit_of: dict[str, str]) -> None:
@@ -110,6 +110,7 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
                 f"{r['cpu_s_per_gib'] if r['cpu_s_per_gib'] is not None else float('nan'):>9.3f}")
         line += "".join(f" {_fmt_ratio(r['ratios'].get(c)):>14}" for c in columns)
         print(line + ("  yes" if r["verified"] else f"  NO ({r['error']})"), file=out)
+    _print_requests(rows, out)
     _print_link_counters(result, out)
     _print_incast(result, out)
     if baselines:
@@ -145,6 +146,44 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
     bad += [x for x in result.get("incast", []) if not x["verified"]]
     print("all transfers verified by sha256" if not bad and not result["errors"]
           else f"{len(bad)} measurement(s) NOT verified, {len(result['errors'])} error(s)", file=out)
+
+
+def request_times(rows: list) -> list[dict]:
+    """Paged rows as requests: milliseconds per call (one call is one request of a vLLM-shaped
+    KV transfer), beside the time the raw socket and the staged socket take for the same bytes
+    at the rates measured beside them."""
+    def ms_at(size: int, gbps: float) -> float | None:
+        return size / (gbps * 1e9) * 1e3 if gbps else None
+
+    out = []
+    for r in rows:
+        if r.get("layout") != "paged" or not r["verified"] or not r["gbps"]:
+            continue
+        size = r["block"] * r["count"]
+        limits = {name: ms_at(size, r["gbps"] / ratio) if ratio else None
+                  for name in ("raw socket", "staged socket") if (ratio := r["ratios"].get(name)) is not None}
+        out.append({"transport": r["transport"], "op": r["op"], "block": r["block"], "count": r["count"],
+                    "bytes": size, "ms": ms_at(size, r["gbps"]), "raw_socket_ms": limits.get("raw socket"),
+                    "staged_socket_ms": limits.get("staged socket")})
+    return out
+
+
+def _print_requests(rows: list, out: IO[str]) -> None:
+    requests = request_times(rows)
+    if not requests:
+        return
+
+    def ms(value: float | None) -> str:
+        return "" if value is None else f"{value:.2f}"
+
+    print(f"\n{'request':<20} {'op':<5} {'blocks':>13} {'MiB':>6} {'ms':>8} {'raw socket ms':>14} "
+          f"{'staged socket ms':>17}", file=out)
+    for q in requests:
+        shape = f"{q['count']} x {fmt_size(q['block'])}"
+        print(f"{q['transport']:<20} {q['op']:<5} {shape:>13} {q['bytes'] / (1 << 20):>6.0f} {ms(q['ms']):>8} "
+              f"{ms(q['raw_socket_ms']):>14} {ms(q['staged_socket_ms']):>17}", file=out)
+    print("(a paged call as one request: its time, and the time the raw and the staged socket take for its bytes)",
+          file=out)
 
 
 def _print_link_counters(result: dict, out: IO[str]) -> None:
