@@ -472,7 +472,7 @@ struct fmc_batch {
     int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
     int32_t *task_remaining;
     uint8_t *task_cancelled; /* fmc_batch_cancel_tasks: its slices end, innocent ones are sent again */
-    const struct fmc_transport_ops *ops; /* the transport that took it: its cancels go there too */
+    const struct fmc_transport_ops *ops; /* the transport that took it, for cancels and receives */
     fmc_slice *slices;
 };
 
