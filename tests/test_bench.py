@@ -179,7 +179,8 @@ def test_transport_without_a_setting_is_not_available():
     fake = bench.Transport("warp", "flagcx_mc", "host", "warp-drive", "memcpy", "made up")
     ok, reason = bench.availability(fake, bench.BenchOptions())
     assert not ok and reason.startswith("not available in this build")
-    ok, reason = bench.availability(bench.TRANSPORTS[-1], bench.BenchOptions(mooncake=False))
+    mooncake = next(t for t in bench.TRANSPORTS if t.engine == "mooncake")
+    ok, reason = bench.availability(mooncake, bench.BenchOptions(mooncake=False))
     assert not ok and reason == "skipped (--no-mooncake)"
 
 

@@ -56,7 +56,7 @@ int64_t fmc_now_ms(void);
 int64_t fmc_now_us(void);
 int fmc_spin_us(const fmc_engine *e); /* the engine's spin_us (common/fmc_util.c) */
 /* Transfers up to this size are "small": worth polling for, and (on one idle stream) sent by
- * their calling thread, which may also read their answers itself (fmc_batch.c). */
+ * their calling thread, which may also read their answers itself (tcp/fmc_tcp_transport.c). */
 #define FMC_SMALL_TRANSFER_BYTES (256u << 10)
 /* A send deadline that means: never block; what the socket does not take now goes to the
  * stream's send side, which goes on once the socket has room (fmc_transfer_start, and the send
@@ -472,6 +472,7 @@ struct fmc_batch {
     int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
     int32_t *task_remaining;
     uint8_t *task_cancelled; /* fmc_batch_cancel_tasks: its slices end, innocent ones are sent again */
+    const struct fmc_transport_ops *ops; /* the transport that took it, for cancels and receives */
     fmc_slice *slices;
 };
 
@@ -541,6 +542,64 @@ void fmc_zc_fence_close(fmc_stream *st);
  * [first, first + count) (1 if there was any).  (engine/fmc_completion.c) */
 void fmc_batch_mark_cancelled(struct fmc_batch *b);
 int fmc_batch_mark_tasks_cancelled(struct fmc_batch *b, int first, int count);
+/* A transport's reason for a failure its slices will report: the batch's first error unless it
+ * has one already.  (engine/fmc_completion.c) */
+void fmc_batch_report_error(struct fmc_batch *b, int status);
+
+/* ---------------------------------------------- transports: what engine/fmc_batch.c drives */
+/* One transfer call's tasks as fmc_batch.c hands them to a transport, checked already: every
+ * remote range lies in one region of the peer's table (keys[i] its key) and every local range in
+ * one registered region (local_dev[i] its GPU, -1: host memory). */
+typedef struct fmc_transfer_req {
+    struct fmc_peer *peer;
+    int opcode;
+    int n;
+    const uint64_t *local, *remote, *lens;
+    const uint32_t *keys;
+    const int32_t *local_dev;
+    /* >= 0: the caller waits for the batch until this deadline (fmc_transfer), so the transport
+     * may do the work in its thread; FMC_INLINE_NOWAIT: the caller waits, but must not block
+     * (fmc_transfer_start polling); -1: the caller does not wait here. */
+    int64_t inline_deadline_ms;
+    int group;                  /* several calls gathered by the async facade (engine/coalesce.py) */
+    int counts_end;             /* the batch's end counts in batches_ended (fmc_batch.counts_end) */
+    const struct fmc_transport_ops *ops; /* the transport being asked (set by fmc_batch.c) */
+    /* The batch for these tasks with room for `nslices` slices, made by fmc_batch.c and
+     * stamped with `ops` and `counts_end`; NULL when memory runs out.  Handed in, as the Mooncake
+     * codec is handed fmc_conn_ops, so that transports never call the file that drives them. */
+    struct fmc_batch *(*new_batch)(const struct fmc_transfer_req *req, int nslices);
+} fmc_transfer_req;
+
+/* A transport declined a batch (fmc_transport_ops.submit): the next one in the peer's list gets it. */
+#define FMC_DECLINED 1
+
+/* What a batch needs from a transport.  A peer lists the transports that may carry its batches
+ * (fmc_peer.transports, tried in order: same host first where it is enabled, then TCP); a new
+ * transport (verbs, say) provides one of these and is added to the list where the peer is set
+ * up for it.  Transports report how slices end through engine/fmc_completion.c alone. */
+typedef struct fmc_transport_ops {
+    /* Take a batch: make it (req->new_batch) and start it, or finish it here, with *out set,
+     * returning FMC_OK; FMC_DECLINED (nothing made) when some task is not for this transport;
+     * another code with the error set when it fails.  caller_rx: NULL, or where the transport
+     * may leave something the caller must hand back through caller_receive (a small
+     * synchronous write's receive side, which the caller then reads itself). */
+    int (*submit)(const fmc_transfer_req *req, struct fmc_batch **out, void **caller_rx);
+    /* 1 while the peer's connection through this transport takes batches (a cut stream coming
+     * back counts); NULL: always.  A batch is refused (FMC_ERR_SOCKET) while any transport of
+     * its peer is not, as the session whose connections broke is closed whole (sessions.py). */
+    int (*healthy)(struct fmc_peer *p);
+    /* Tasks [first, first + count) of one of its batches were marked cancelled: take back their
+     * unstarted work and stop what is under way (returns without waiting; their slices end
+     * through fmc_slices_finish).  NULL for a transport whose batches end inside submit. */
+    void (*cancel_tasks)(struct fmc_batch *b, int first, int count);
+    /* The caller of a batch submitted with *caller_rx set polls for its answers itself until
+     * until_us, then hands back what caller_rx names.  NULL if submit never sets it. */
+    void (*caller_receive)(void *caller_rx, struct fmc_batch *b, int64_t until_us);
+} fmc_transport_ops;
+
+#define FMC_MAX_TRANSPORTS 4
+extern const fmc_transport_ops fmc_tcp_ops;      /* tcp/fmc_tcp_transport.c: native and Mooncake framing */
+extern const fmc_transport_ops fmc_samehost_ops; /* samehost/fmc_samehost_transport.c */
 
 struct fmc_peer {
     fmc_engine *engine;
@@ -548,6 +607,10 @@ struct fmc_peer {
     int data_port;
     int nstreams;
     int proto;                /* FMC_PROTO_NATIVE or FMC_PROTO_MOONCAKE (v2) */
+    /* The transports its batches are offered to, in order (p->mu; set up before transfers):
+     * TCP from fmc_peer_create, same host put first by fmc_peer_enable_same_host. */
+    const fmc_transport_ops *transports[FMC_MAX_TRANSPORTS];
+    int ntransports;
     int vectors;              /* the target takes vector requests (fmc_wire.h); set at connect */
     uint64_t slice_size;
     pthread_mutex_t mu;       /* remote table, state */
@@ -587,7 +650,7 @@ struct fmc_peer {
     int64_t last_used_ms;     /* when its last transfer started (fmc_peer_idle_ms) */
     atomic_int refs;
     atomic_uint_fast32_t rr;  /* round-robin start stream */
-    atomic_int hot_stream;    /* the stream small batches prefer (see start_stream) */
+    atomic_int hot_stream;    /* the stream small batches prefer (tcp/fmc_tcp_transport.c) */
     atomic_uint_fast64_t next_id;
     fmc_call_stats *call_stats; /* set once before the first transfer, or NULL */
     fmc_stream streams[FMC_MAX_STREAMS];

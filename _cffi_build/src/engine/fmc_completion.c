@@ -1,6 +1,7 @@
-/* How slices end: the one narrow call by which transports report completions (fmc_slices_finish)
- * and read cancellation (fmc_slice_cancelled), and what a batch's end wakes.  Transports depend
- * on this file, never on fmc_batch.c, which drives them. */
+/* How slices end: the one narrow call by which transports report completions (fmc_slices_finish,
+ * and fmc_batch_report_error for a reason known before the slices fail) and read cancellation
+ * (fmc_slice_cancelled), and what a batch's end wakes.  Transports depend on this file, never on
+ * fmc_batch.c, which drives them through their fmc_transport_ops. */
 #define _GNU_SOURCE
 #include <errno.h>
 
@@ -118,3 +119,11 @@ int fmc_batch_mark_tasks_cancelled(fmc_batch *b, int first, int count)
 }
 
 void fmc_batch_mark_cancelled(fmc_batch *b) { fmc_batch_mark_tasks_cancelled(b, 0, b->ntasks); }
+
+void fmc_batch_report_error(fmc_batch *b, int status)
+{
+    pthread_mutex_lock(&b->mu);
+    if (b->first_error == FMC_OK)
+        b->first_error = status;
+    pthread_mutex_unlock(&b->mu);
+}

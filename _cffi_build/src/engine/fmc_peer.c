@@ -38,6 +38,8 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
     p->data_port = data_port;
     p->nstreams = nstreams;
     p->slice_size = slice_size;
+    p->transports[0] = &fmc_tcp_ops; /* every peer's batches can go over TCP */
+    p->ntransports = 1;
     pthread_mutex_init(&p->mu, NULL);
     pthread_mutex_init(&p->sh_mu, NULL);
     pthread_cond_init(&p->sh_cv, NULL);

@@ -217,6 +217,12 @@ int fmc_peer_enable_same_host(fmc_peer *p, int pid, int ctrl_fd, uint64_t ctrl_a
     pthread_mutex_lock(&p->mu);
     p->sh = c;
     p->sh_pid = pid;
+    /* Batches try the same-host copy first; those it declines go on to the transports after. */
+    if (p->transports[0] != &fmc_samehost_ops && p->ntransports < FMC_MAX_TRANSPORTS) {
+        memmove(&p->transports[1], &p->transports[0], sizeof p->transports[0] * (size_t)p->ntransports);
+        p->transports[0] = &fmc_samehost_ops;
+        p->ntransports++;
+    }
     pthread_mutex_unlock(&p->mu);
     pthread_mutex_lock(&p->sh_mu);
     for (int i = 0; i < nwords; i++) {
