@@ -6,8 +6,6 @@
 #include <errno.h>
 #include <sched.h>
 #include <stdlib.h>
-#include <stdio.h>
-#include <string.h>
 
 #include "fmc_internal.h"
 
