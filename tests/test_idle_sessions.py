@@ -9,12 +9,12 @@ waiting for a call. Every transfer is verified by digest.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
 import pytest
 from support.nodes import free_rpc_port, pinned_node, wait_all_streams
+from support.resources import pipes_follow_threads, threads_and_fds
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, TransferEngine
 from flagcx_mc._testing.node import NodeProcess
@@ -24,13 +24,13 @@ IDLE = 0.5  # idle_session_timeout of these tests' engines
 RELEASED_WITHIN = IDLE + 3.0  # the sweep runs once a second; the I/O pool's extra threads end after 2 s idle
 
 
-def resources() -> tuple[int, int]:
-    """(threads, open fds) of this process."""
-    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+def resources() -> tuple[int, int, int]:
+    """(threads, fds other than the threads' zero-copy pipes, pipe fds) of this process."""
+    return threads_and_fds()
 
 
-def wait_until_back_to(base: tuple[int, int], timeout: float) -> tuple[int, int]:
-    """Poll until threads and fds are no more than ``base``; the last count either way."""
+def wait_until_back_to(base: tuple[int, int, int], timeout: float) -> tuple[int, int, int]:
+    """Poll until threads and (non-pipe) fds are no more than ``base``; the last count either way."""
     deadline = time.monotonic() + timeout
     now = resources()
     while (now[0] > base[0] or now[1] > base[1]) and time.monotonic() < deadline:
@@ -80,6 +80,7 @@ def test_an_idle_session_closes_its_connections_and_opens_again_on_next_use():
             assert target.call("stats")["server_connections"] >= 4
             now = wait_until_back_to(base, RELEASED_WITHIN)
             assert now[0] <= base[0] and now[1] <= base[1], f"round {round_}: not released: {base} -> {busy} -> {now}"
+            assert pipes_follow_threads(base, now), f"round {round_}: pipes beyond the threads': {base} -> {now}"
             deadline = time.monotonic() + 3
             while target.call("stats")["server_connections"] and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -181,6 +182,7 @@ def test_a_peer_that_dies_or_restarts_while_idle_leaves_nothing_behind():
             now = wait_until_back_to(base, 5.0)
             assert busy[1] > now[1], f"round {round_}: no session seen: {busy} -> {now}"
             assert now[0] <= base[0] and now[1] <= base[1], f"a dead peer's session left {base} -> {now}"
+            assert pipes_follow_threads(base, now), f"round {round_}: pipes beyond the threads': {base} -> {now}"
             target = pinned_node(port, [4 * MIB])
         write_verified(eng, buf, target)
         target.kill()  # killed again, and restarted before the sweep sees it: the next call still lands

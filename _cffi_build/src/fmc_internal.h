@@ -142,15 +142,14 @@ int fmc_recv_all(int fd, void *buf, size_t len);
 int fmc_socket_reset(int fd);
 
 /* ------------------------------------------------------------------------- tcp/fmc_splice.c */
-/* Zero-copy sends: iovecs flagged in zc[] go through vmsplice + splice (the
- * pipe is opened on first use, closed with fmc_zc_pipe_close), the rest through sendmsg.  Only
+/* Zero-copy sends: iovecs flagged in zc[] go through vmsplice + splice (through a pipe of the
+ * calling thread, opened on first use and closed with the thread), the rest through sendmsg.  Only
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
-int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);
-void fmc_zc_pipe_close(int pipefd[2]);
+int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc);
 
 /* ------------------------------------------------------------------------- tcp/fmc_socket.c */
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);
@@ -511,7 +510,6 @@ typedef struct fmc_stream {
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */
-    int zc_pipe[2];           /* zero-copy sends' pipe, likewise (opened on first use) */
     int zc_link;              /* the connection stays within this host: zero-copy sends pay off */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */

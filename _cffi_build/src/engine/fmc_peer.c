@@ -58,7 +58,6 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         st->rx_state = st->tx_state = FMC_ROLE_DONE;
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
-        st->zc_pipe[0] = st->zc_pipe[1] = -1;
         st->target_fd = -1;
     }
     *out = p;
@@ -522,7 +521,6 @@ void fmc_peer_release(fmc_peer *p)
         for (int f = 0; f < FMC_STAGE_DEPTH; f++)
             fmc_cuda_fence_free(&p->streams[i].send_fence[f]);
         free(p->streams[i].scratch);
-        fmc_zc_pipe_close(p->streams[i].zc_pipe);
         fmc_reader_free(&p->streams[i].rd);
         fmc_stream_release(&p->streams[i]);
         pthread_mutex_destroy(&p->streams[i].mu);

@@ -213,7 +213,7 @@ static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
     return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
-/* The queued answers, zero-copy payloads through the connection's pipe. */
+/* The queued answers, zero-copy payloads through this thread's pipe. */
 static int send_answers(fmc_conn_state *cs)
 {
     if (!cs->niov)
@@ -222,7 +222,7 @@ static int send_answers(fmc_conn_state *cs)
     if (!cs->nzc) {
         rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
     } else {
-        rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, cs->zc_pipe);
+        rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc);
         memset(cs->zc, 0, (size_t)cs->niov);
         cs->nzc = 0;
     }
@@ -1121,7 +1121,6 @@ static void conn_finish(fmc_conn_state *cs)
     fmc_reader_free(&cs->rd);
     for (int i = 0; i < FMC_LANDINGS; i++) /* serve() landed every piece and sent their answers */
         fmc_cuda_fence_free(&cs->land[i].fence);
-    fmc_zc_pipe_close(cs->zc_pipe);
     free(cs->sink);
     free(c);
     free(cs);
@@ -1235,7 +1234,6 @@ static void start_conn(fmc_engine *e, int fd)
     c->fd = fd;
     cs->e = e;
     cs->c = c;
-    cs->zc_pipe[0] = cs->zc_pipe[1] = -1;
     pthread_mutex_lock(&e->mu);
     __atomic_store_n(&c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);
     if (!e->stopping && e->nconns >= FMC_MAX_SERVER_CONNS)

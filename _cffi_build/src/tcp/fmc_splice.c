@@ -28,6 +28,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include "fmc_internal.h"
 
 #define ZC_PIPE_BYTES (1 << 20) /* the most a pipe takes unprivileged (fs.pipe-max-size) */
@@ -42,7 +44,16 @@ static void zc_turn_off(void) { __atomic_store_n(&zc_state, -1, __ATOMIC_RELAXED
 
 static int unsupported(int err) { return err == EINVAL || err == ENOSYS || err == EOPNOTSUPP || err == EBADF; }
 
-void fmc_zc_pipe_close(int pipefd[2])
+/* Zero-copy sends go through a pipe of the sending thread (an I/O or serve pool worker, or a
+ * caller sending inline), not of the connection: helper fds follow the threads, which the pools
+ * bound, not the peers.  A send that succeeded leaves the pipe empty; one that failed may leave
+ * pages in it, so it is closed then (and opened again on next use); it is closed when its
+ * thread ends. */
+static __thread int thread_pipe[2] = {-1, -1};
+static pthread_key_t thread_pipe_key;
+static pthread_once_t thread_pipe_once = PTHREAD_ONCE_INIT;
+
+static void pipe_close(int pipefd[2])
 {
     for (int i = 0; i < 2; i++)
         if (pipefd[i] >= 0) {
@@ -50,6 +61,14 @@ void fmc_zc_pipe_close(int pipefd[2])
             pipefd[i] = -1;
         }
 }
+
+static void thread_pipe_close(void *unused)
+{
+    (void)unused;
+    pipe_close(thread_pipe);
+}
+
+static void thread_pipe_key_make(void) { pthread_key_create(&thread_pipe_key, thread_pipe_close); }
 
 static int pipe_ready(int pipefd[2])
 {
@@ -60,6 +79,8 @@ static int pipe_ready(int pipefd[2])
         return 0;
     }
     fcntl(pipefd[1], F_SETPIPE_SZ, ZC_PIPE_BYTES); /* a smaller pipe only costs more syscalls */
+    pthread_once(&thread_pipe_once, thread_pipe_key_make);
+    pthread_setspecific(thread_pipe_key, pipefd); /* non-NULL: the destructor runs at thread exit */
     return 1;
 }
 
@@ -115,14 +136,24 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
                 return cnt ? fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0) : 0;
             }
             if (out <= 0)
-                return -1; /* the stream dies; its pipe is closed with it */
+                return -1; /* the connection dies; the pipe may hold pages: fmc_sendv_zc closes it */
             left -= (size_t)out;
         }
     }
     return 0;
 }
 
-int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2])
+static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);
+
+int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc)
+{
+    int rc = sendv_zc(fd, iov, iovcnt, zc, thread_pipe);
+    if (rc < 0)
+        pipe_close(thread_pipe); /* pages spliced into it and never sent */
+    return rc;
+}
+
+static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2])
 {
     int i = 0;
     while (i < iovcnt) {

@@ -249,7 +249,6 @@ static void role_exit(fmc_stream *st, int *state)
         st->fd = -1;
     }
     st->watched = 0;
-    fmc_zc_pipe_close(st->zc_pipe); /* pages spliced into it and never sent */
     list_append(&left, &st->receiving);
     list_append(&left, &st->inflight);
     list_append(&left, &st->answered); /* empty in practice: the send side drains it */
@@ -463,7 +462,7 @@ static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enable
 static int send_zc(fmc_stream *st, int fd, struct iovec *iov, int n, const uint8_t *zc)
 {
     st->peer->engine->stat_zc_sends++;
-    return fmc_sendv_zc(fd, iov, n, zc, st->zc_pipe);
+    return fmc_sendv_zc(fd, iov, n, zc);
 }
 
 /* A round's iovecs [from, to) leave: zero-copy where flagged, by the deadline where one is set. */

@@ -63,7 +63,6 @@ typedef struct fmc_conn_state {
     uint8_t zc[FMC_IOV_MAX]; /* iov[i] is a zero-copy payload; cleared once sent */
     int nzc;                 /* how many are set */
     int zc_reads;            /* the initiator acknowledges zero-copy answers, and splice works */
-    int zc_pipe[2];
     fmc_zc_hold holds[ZC_HOLDS];
     fmc_zc_answer ledger[ZC_LEDGER]; /* ring, oldest at ledger_head */
     uint32_t ledger_head, ledger_count;
