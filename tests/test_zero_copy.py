@@ -141,3 +141,34 @@ def test_with_zero_copy_off_a_source_rewritten_after_a_failed_call_never_reaches
         eng.close()
         buf.close()
         target.close()
+
+
+@pytest.mark.timeout(120)
+def test_zero_copy_pipes_follow_the_threads_not_the_peers():
+    """Zero-copy writes to 16 peers leave at most one pipe (two fds) per thread of this process,
+    not one per connection (16 sessions of up to 4 streams would hold 64 or more fds of pipes)."""
+    from support.resources import threads_and_fds
+
+    from flagcx_mc.tools.bench.peers import PeerGroup
+
+    n = 16
+    peers = PeerGroup("flagcx_mc", n, 2 * MIB, {"transport": "tcp"})
+    eng = TransferEngine(transfer_timeout=10.0, transport="tcp")
+    buf = HostBuffer(2 * MIB)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        base = threads_and_fds()
+        digest = buf.fill_random()
+        for i, name in enumerate(peers.sessions):
+            assert eng.transfer_sync_write(name, buf.addr, peers.addr(i), 2 * MIB) == 0
+        assert eng.stats()["zero_copy_sends"] >= n  # every peer was written zero-copy
+        now = threads_and_fds()
+        assert now[2] - base[2] <= 2 * now[0], f"pipes beyond one per thread: {base} -> {now}"
+        assert now[2] - base[2] < 2 * n, f"a pipe per peer: {base} -> {now}"
+        got = peers.call("digests", ranges=[[i, 0, 2 * MIB] for i in range(n)])["digests"]
+        assert got == [digest] * n
+    finally:
+        eng.close()
+        buf.close()
+        peers.close()
