@@ -24,18 +24,13 @@ IDLE = 0.5  # idle_session_timeout of these tests' engines
 RELEASED_WITHIN = IDLE + 3.0  # the sweep runs once a second; the I/O pool's extra threads end after 2 s idle
 
 
-def resources() -> tuple[int, int, int]:
-    """(threads, fds other than the threads' zero-copy pipes, pipe fds) of this process."""
-    return threads_and_fds()
-
-
 def wait_until_back_to(base: tuple[int, int, int], timeout: float) -> tuple[int, int, int]:
     """Poll until threads and (non-pipe) fds are no more than ``base``; the last count either way."""
     deadline = time.monotonic() + timeout
-    now = resources()
+    now = threads_and_fds()
     while (now[0] > base[0] or now[1] > base[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
-        now = resources()
+        now = threads_and_fds()
     return now
 
 
@@ -70,11 +65,11 @@ def test_an_idle_session_closes_its_connections_and_opens_again_on_next_use():
             time.sleep(0.05)
         assert session.released
         time.sleep(0.5)
-        base = resources()
+        base = threads_and_fds()
         for round_ in range(3):
             write_verified(eng, buf, target)
             wait_all_streams(eng, target.session)
-            busy = resources()
+            busy = threads_and_fds()
             # Its streams run on the process's I/O pool: a session shows as sockets, not threads.
             assert busy[1] > base[1], f"round {round_}: no session seen: {base} -> {busy}"
             assert target.call("stats")["server_connections"] >= 4
@@ -174,11 +169,11 @@ def test_a_peer_that_dies_or_restarts_while_idle_leaves_nothing_behind():
         base = None
         for round_ in range(3):  # the first round sets the count to return to (see above)
             write_verified(eng, buf, target)  # the first call after a restart reaches the new process
-            busy = resources()
+            busy = threads_and_fds()
             target.kill()
             if base is None:
                 time.sleep(2.5)
-                base = resources()
+                base = threads_and_fds()
             now = wait_until_back_to(base, 5.0)
             assert busy[1] > now[1], f"round {round_}: no session seen: {busy} -> {now}"
             assert now[0] <= base[0] and now[1] <= base[1], f"a dead peer's session left {base} -> {now}"

@@ -22,13 +22,12 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
-
-#include <pthread.h>
 
 #include "fmc_internal.h"
 
@@ -143,16 +142,6 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
     return 0;
 }
 
-static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2]);
-
-int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc)
-{
-    int rc = sendv_zc(fd, iov, iovcnt, zc, thread_pipe);
-    if (rc < 0)
-        pipe_close(thread_pipe); /* pages spliced into it and never sent */
-    return rc;
-}
-
 static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2])
 {
     int i = 0;
@@ -172,4 +161,12 @@ static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, in
         i = k;
     }
     return 0;
+}
+
+int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc)
+{
+    int rc = sendv_zc(fd, iov, iovcnt, zc, thread_pipe);
+    if (rc < 0)
+        pipe_close(thread_pipe); /* pages spliced into it and never sent */
+    return rc;
 }

@@ -70,9 +70,12 @@ def add_ratios(rows: list, baselines: list, limit_of: dict[str, str]) -> None:
                 r["cpu_vs_mooncake"] = r["cpu_s_per_gib"] / mc["cpu_s_per_gib"]
 
 
-def throughput_rows(rows: list, transport: str) -> list:
-    """Verified rows of one transport at the largest batch of each block size (the throughput workload)."""
+def throughput_rows(rows: list, transport: str, count: int | None = None) -> list:
+    """Verified rows of one transport at the largest batch of each block size (the throughput
+    workload), or at ``count`` blocks per call."""
     mine = [r for r in rows if r["transport"] == transport and r["verified"]]
+    if count is not None:
+        return [r for r in mine if r["count"] == count]
     largest: dict[int, int] = {}
     for r in mine:
         largest[r["block"]] = max(largest.get(r["block"], 0), r["count"])

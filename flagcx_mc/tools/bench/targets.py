@@ -214,11 +214,7 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
         pairs = [(r["calls_per_s"][top] / r["calls_per_s"][bottom], r) for r in calls
                  if r["calls_per_s"].get(top) and r["calls_per_s"].get(bottom)]
         return pairs, "" if pairs else f"no async calls measured on {transport} (flagcx-mc bench --async)"
-    if target.count is None:
-        all_rows = throughput_rows(result.get("rows", []), transport)
-    else:
-        all_rows = [r for r in result.get("rows", []) if r["transport"] == transport and r["verified"]
-                    and r["count"] == target.count]
+    all_rows = throughput_rows(result.get("rows", []), transport, target.count)
     rows = [r for r in all_rows if target.takes_block(r["block"])]
 
     def value_of(r: dict) -> float | None:
@@ -256,7 +252,7 @@ def _peer_values(target: Target, result: dict) -> tuple[list[tuple[float, dict]]
         if top not in rows or bottom not in rows or not rows[bottom]["gbps"]:
             return [], f"needs {direction} rows of {top} and {bottom} peers"
         return [(rows[top]["gbps"] / rows[bottom]["gbps"], rows[top])], ""
-    cpus = result.get("cpus") or 1
+    cpus = _cpus(result) or 1
     judged = [r for n, r in rows.items() if n >= target.min_peers]
     if not judged:
         return [], f"no {direction} row of {target.min_peers} peers or more"
@@ -265,16 +261,21 @@ def _peer_values(target: Target, result: dict) -> tuple[list[tuple[float, dict]]
     return [(r["fds"] / (r["idle_fds"] + 4 * r["peers"]), r) for r in judged], ""
 
 
+def _cpus(result: dict) -> int | None:
+    """The CPUs of the host a result was measured on: a peers run's own key, or the bench's host."""
+    return result.get("cpus") or (result.get("host") or {}).get("cpus")
+
+
 def evaluate_targets(targets: TargetSet, result: dict) -> list[dict]:
     """Each target against a bench result (rows with their ratios, latencies, transports):
     ``{"name", "metric", "status" (PASS, MISS or N/A), "measured" (the worst value), "threshold",
     "better", "detail", "measured_median", "steal"}``.  Targets that do not judge this run
     (``Target.takes_run``: another kind of link, or loopback) are left out."""
     out = []
+    cpus = _cpus(result)
     for t in targets.targets:
         if not t.takes_run(result):
             continue  # a loopback target in a run over a link, or one for another kind of link
-        cpus = result.get("cpus") or (result.get("host") or {}).get("cpus")
         values: list[tuple[float, dict]]
         if t.min_cpus is not None and (cpus or 0) < t.min_cpus:
             values, why = [], f"judged on hosts of {t.min_cpus} CPUs or more; this one has {cpus}"
