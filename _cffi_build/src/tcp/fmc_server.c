@@ -981,7 +981,6 @@ static int serve_some(fmc_conn_state *cs)
         fmc_req q;
         fmc_req_decode(cs->rd.buf + cs->rd.start, &q);
         cs->rd.start += FMC_REQ_SIZE;
-        cs->last_len = q.len;
         if (q.opcode == FMC_WIRE_OP_ACK) {
             if (zc_acknowledge(cs, q.len) < 0) {
                 e->stat_protocol_errors++;
@@ -991,6 +990,7 @@ static int serve_some(fmc_conn_state *cs)
             }
             continue;
         }
+        cs->last_len = q.len; /* an acknowledgement is no transfer: it leaves the poll's choice alone */
         if (q.opcode == FMC_WIRE_OP_NAME) {
             pthread_mutex_lock(&e->mu);
             cs->c->token = q.addr;

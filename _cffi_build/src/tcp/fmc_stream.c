@@ -377,7 +377,10 @@ static void send_ack_if_due_locked(fmc_stream *st)
         tx_kick_locked(st);
 }
 
-/* An idle stream that owes acknowledgements sends them ZC_ACK_IDLE_MS after it went idle. */
+/* An idle stream that owes acknowledgements sends them ZC_ACK_IDLE_MS after it went idle.  The
+ * timer was queued when the stream last parked; a stream that has been busy since (batches back
+ * to back) carries its acks with its next requests instead, and its next park queues the timer
+ * again, so only a stream quiet for the whole interval sends an ack on its own. */
 static void ack_timer_fire(fmc_pool_timer *t)
 {
     fmc_io_handle *h = (fmc_io_handle *)((char *)t - offsetof(fmc_io_handle, ack_timer));
@@ -385,9 +388,15 @@ static void ack_timer_fire(fmc_pool_timer *t)
     fmc_stream *st = h->st;
     if (st) {
         pthread_mutex_lock(&st->mu);
-        if (!st->dead && st->zc_owed) {
-            st->zc_ack_idle = 1;
-            send_ack_if_due_locked(st);
+        int busy = st->inflight.head || st->pending.head || st->sending_active || st->caller_recv;
+        if (!st->dead && st->zc_owed && !busy) {
+            int64_t due = st->idle_since_ms + ZC_ACK_IDLE_MS;
+            if (fmc_now_ms() >= due) {
+                st->zc_ack_idle = 1;
+                send_ack_if_due_locked(st);
+            } else {
+                fmc_pool_timer_add(&io_pool, t, due); /* idle again, but not for long enough yet */
+            }
         }
         pthread_mutex_unlock(&st->mu);
     }
@@ -1222,8 +1231,10 @@ static int rx_wait(fmc_stream *st)
             st->rx_state = st->caller_recv ? FMC_ROLE_OFF : FMC_ROLE_ARMED;
             st->rx_events = EPOLLRDHUP | (st->bulk ? EPOLLIN : 0);
             watch_locked(st);
+            if (!st->inflight.head)
+                st->idle_since_ms = fmc_now_ms();
             if (st->zc_owed && st->io)
-                fmc_pool_timer_add(&io_pool, &st->io->ack_timer, fmc_now_ms() + ZC_ACK_IDLE_MS);
+                fmc_pool_timer_add(&io_pool, &st->io->ack_timer, st->idle_since_ms + ZC_ACK_IDLE_MS);
             pthread_mutex_unlock(&st->mu);
             return RX_PARKED;
         }
