@@ -89,7 +89,6 @@ typedef struct {
     int vectors;         /* offer vector requests to the targets this engine connects to */
     int spin_us;         /* poll up to this long before sleeping, after small transfers (0..10000) */
     int copy_threads;    /* threads that copy one large same-host call (0: the CPUs this process may run on; at most 4) */
-    int split_streams;   /* streams a small synchronous TCP batch of several blocks is split over (0: 4 on hosts of 8 CPUs or more, else 1; at most 4) */
     int zerocopy;        /* vmsplice + splice for large write payloads and read answers */
     int gpu_copy;        /* FMC_GPU_COPY_*: how scattered GPU blocks are staged for TCP */
     uint64_t gpu_staging; /* bytes of pinned staging chunks GPU memory crosses TCP through */

@@ -171,7 +171,6 @@ class CoreEngine:
         opts.vectors = int(bool(config.vectors))
         opts.spin_us = int(config.spin_us)
         opts.copy_threads = int(config.copy_threads)
-        opts.split_streams = int(config.split_streams)
         opts.zerocopy = int(bool(config.zerocopy))
         opts.gpu_copy = {"auto": lib.FMC_GPU_COPY_AUTO, "kernel": lib.FMC_GPU_COPY_KERNEL,
                          "batch": lib.FMC_GPU_COPY_BATCH, "single": lib.FMC_GPU_COPY_SINGLE}[config.gpu_copy]

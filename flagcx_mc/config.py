@@ -295,7 +295,6 @@ class EngineConfig:
     vectors: bool = True                 # send runs of small slices as vector requests where targets take them
     spin_us: int = 30                    # poll this long (µs) before sleeping after small transfers; 0: never
     copy_threads: int = 0                # threads copying one large same-host call; 0: this process's CPUs (at most 4)
-    split_streams: int = 0               # streams a small sync TCP batch is split over; 0: 4 on 8+ CPUs, else 1
     zerocopy: bool = True                # vmsplice + splice for large write payloads and read answers
     gpu_copy: str = "auto"               # staging scattered GPU blocks for TCP: auto, kernel, batch or single
     gpu_staging: int = 64 << 20          # bytes of pinned staging chunks GPU memory crosses TCP through
@@ -333,7 +332,6 @@ class EngineConfig:
             "vectors": _env_flag("FLAGCX_MC_VECTORS"),
             "spin_us": _env_clamped("FLAGCX_MC_SPIN_US", 0, 10000),
             "copy_threads": _env_clamped("FLAGCX_MC_COPY_THREADS", 1, 4),
-            "split_streams": _env_clamped("FLAGCX_MC_SPLIT_STREAMS", 1, 4),
             "zerocopy": _env_flag("FLAGCX_MC_ZEROCOPY"),
             "gpu_copy": os.environ.get("FLAGCX_MC_GPU_COPY") or None,
             "gpu_staging": _env_number("FLAGCX_MC_GPU_STAGING", int),
@@ -391,8 +389,6 @@ class EngineConfig:
             raise InvalidArgumentError("spin_us must be in 0..10000")
         if not 0 <= self.copy_threads <= 4:
             raise InvalidArgumentError("copy_threads must be in 0..4 (0: the CPUs this process may run on)")
-        if not 0 <= self.split_streams <= 4:
-            raise InvalidArgumentError("split_streams must be in 0..4 (0: 4 on hosts of 8 CPUs or more, else 1)")
         if self.gpu_copy not in GPU_COPY_MODES:
             raise InvalidArgumentError(f"gpu_copy must be one of {', '.join(GPU_COPY_MODES)}, not {self.gpu_copy!r}")
         if not (4 << 20) <= self.gpu_staging <= (16 << 30):

@@ -687,11 +687,7 @@ void fmc_slices_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
 int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms, int claim_recv, int *claimed);
-/* ... or over the several streams a caller claimed for one batch (at most FMC_CALLER_RX_MAX). */
-#define FMC_CALLER_RX_MAX 4
-/* Hosts of this many CPUs split small synchronous batches by default (fmc_options.split_streams). */
-#define FMC_SPLIT_MIN_CPUS 8
-void fmc_stream_caller_receive_many(fmc_stream *const *sts, int n, struct fmc_batch *b, int64_t until_us);
+void fmc_stream_caller_receive(fmc_stream *st, struct fmc_batch *b, int64_t until_us);
 int fmc_slice_cancelled(const fmc_slice *s);
 void fmc_stream_cut(fmc_stream *st);
 /* A connected stream's sides start on the I/O pool (fd set, dead clear); once a closing peer

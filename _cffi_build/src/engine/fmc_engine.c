@@ -63,10 +63,6 @@ int fmc_engine_create(const char *bind_host, int port_min, int port_max, const f
         e->opts.copy_threads = e->cores;
     if (e->opts.copy_threads > FMC_SH_WORDS_PER_PEER)
         e->opts.copy_threads = FMC_SH_WORDS_PER_PEER;
-    if (e->opts.split_streams <= 0)
-        e->opts.split_streams = e->cores >= FMC_SPLIT_MIN_CPUS ? FMC_CALLER_RX_MAX : 1;
-    if (e->opts.split_streams > FMC_CALLER_RX_MAX)
-        e->opts.split_streams = FMC_CALLER_RX_MAX;
     fmc_stage_pool_init(&e->stage, e->opts.gpu_staging);
     fmc_sh_engine_init(e); /* optional: without it peers use TCP */
     int fd = fmc_tcp_listen(bind_host, port_min, port_max, &e->data_port);

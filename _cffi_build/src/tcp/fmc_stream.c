@@ -1167,13 +1167,30 @@ static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
     }
 }
 
-/* The receive side goes back to the pool, on the watch it parked with (`got` < 0: the socket
- * ended, for the side to see). */
-static void caller_hand_back(fmc_stream *st, int got)
+/* The caller that claimed the receive side (fmc_stream_enqueue_inline) polls the socket for
+ * its answers until batch `b` is finished or `until_us` passes, then hands the receive side
+ * back.  On a 2-core machine this is what makes a small synchronous write cheap: only the
+ * caller and the target's thread run, and no sleeping receiver needs waking. */
+void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
 {
+    int got = 0;
+    for (;;) {
+        fmc_slice_list done = {0};
+        pthread_mutex_lock(&st->mu);
+        int more = !st->dead && take_write_answers_locked(st, &done);
+        pthread_mutex_unlock(&st->mu);
+        fmc_slices_finish(done.head, FMC_TASK_PENDING);
+        if (!more || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)
+            break;
+        got = fmc_reader_try_more(&st->rd);
+        if (got < 0)
+            break; /* EOF or error: the thread reads it again and fails the stream */
+        if (got == 0)
+            sched_yield();
+    }
     pthread_mutex_lock(&st->mu);
     st->caller_recv = 0;
-    if (st->rx_state == FMC_ROLE_OFF) {
+    if (st->rx_state == FMC_ROLE_OFF) { /* back to the receive side, on the watch it parked with */
         st->rx_state = FMC_ROLE_ARMED;
         st->rx_events = EPOLLRDHUP | (st->inflight.head || st->bulk || got < 0 ? EPOLLIN : 0);
         watch_locked(st);
@@ -1181,49 +1198,6 @@ static void caller_hand_back(fmc_stream *st, int got)
     if (st->dead)
         pthread_cond_broadcast(&st->cv); /* the exit path waits for the receive side */
     pthread_mutex_unlock(&st->mu);
-}
-
-/* The caller that claimed receive sides (fmc_stream_enqueue_inline) polls their sockets in turn
- * for its answers until batch `b` is finished or `until_us` passes, then hands them back.  On a
- * 2-core machine this is what makes a small synchronous write cheap: only the caller and the
- * target's thread run, and no sleeping receiver needs waking; a small batch split over several
- * streams (fmc_tcp_transport.c) is answered by the target's connections in parallel, and still
- * nobody wakes here. */
-void fmc_stream_caller_receive_many(fmc_stream *const *sts, int n, fmc_batch *b, int64_t until_us)
-{
-    int got[FMC_CALLER_RX_MAX] = {0};
-    unsigned waiting = (1u << n) - 1;
-    for (;;) {
-        /* Answers read so far are taken before anything else: a side handed back with answers
-         * in its buffer and none left in the socket would never be woken for them. */
-        for (int i = 0; i < n; i++) {
-            if (!(waiting & (1u << i)))
-                continue;
-            fmc_stream *st = sts[i];
-            fmc_slice_list done = {0};
-            pthread_mutex_lock(&st->mu);
-            int more = !st->dead && take_write_answers_locked(st, &done);
-            pthread_mutex_unlock(&st->mu);
-            fmc_slices_finish(done.head, FMC_TASK_PENDING);
-            if (!more)
-                waiting &= ~(1u << i);
-        }
-        if (!waiting || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)
-            break;
-        int read_any = 0;
-        for (int i = 0; i < n; i++) {
-            if (!(waiting & (1u << i)))
-                continue;
-            got[i] = fmc_reader_try_more(&sts[i]->rd);
-            if (got[i] < 0)
-                waiting &= ~(1u << i); /* EOF or error: the receive side reads it again and fails the stream */
-            read_any |= got[i] > 0;
-        }
-        if (!read_any)
-            sched_yield();
-    }
-    for (int i = 0; i < n; i++)
-        caller_hand_back(sts[i], got[i]);
 }
 
 /* Woken with nothing in flight: a peer that closed the idle stream (or sent bytes nobody asked

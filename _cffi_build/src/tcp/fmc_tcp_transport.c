@@ -56,30 +56,6 @@ static uint64_t stream_run_bytes(const fmc_peer *p, uint64_t total, uint64_t min
  * streams each, their thread wake-ups doubled, the same groups made fewer). */
 #define FMC_GROUP_SHARE_BYTES (512u << 10)
 
-/* A small synchronous batch of several blocks is split over the engine's split_streams streams
- * (default 4 on hosts of FMC_SPLIT_MIN_CPUS CPUs or more, else 1), in shares of at least
- * FMC_SPLIT_SHARE_BYTES: the caller sends every share itself and polls every stream for the
- * answers, while the target's connections receive (or send) the shares in parallel.  On one
- * stream a batch of 64 blocks of 4 KiB is one connection's copy after another.  Small hosts keep
- * one stream: there the target's extra threads compete with the caller for the CPUs. */
-#define FMC_SPLIT_SHARE_BYTES (64u << 10)
-
-/* The streams the calling thread claimed for one batch, handed to tcp_caller_receive by the same
- * thread right after tcp_submit. */
-typedef struct caller_streams {
-    fmc_stream *st[FMC_CALLER_RX_MAX];
-    int n;
-} caller_streams;
-static __thread caller_streams claimed_here;
-
-static int split_small_batch(const fmc_transfer_req *req, uint64_t total, int nready)
-{
-    const fmc_peer *p = req->peer;
-    return req->inline_deadline_ms >= 0 && !req->group && req->n >= 2 && p->proto == FMC_PROTO_NATIVE &&
-           p->engine->opts.split_streams >= 2 && nready >= 2 && total <= FMC_SMALL_TRANSFER_BYTES &&
-           total >= 2 * (uint64_t)FMC_SPLIT_SHARE_BYTES;
-}
-
 /* Bytes per slice of a task: slice_size, but at most one staging chunk where the local side is
  * GPU memory, so that each such slice is staged in one chunk (fmc_stage_pool.c). */
 static uint64_t slice_bytes(const fmc_peer *p, int32_t local_dev)
@@ -90,7 +66,7 @@ static uint64_t slice_bytes(const fmc_peer *p, int32_t local_dev)
 /* req->inline_deadline_ms >= 0 or FMC_INLINE_NOWAIT: the caller waits for the batch, so a small
  * one may be sent from its thread (FMC_INLINE_NOWAIT: as far as it goes without blocking); with
  * caller_rx also set, a write's caller may read its own answers (*caller_rx: the stream whose
- * receive sides it then owns, see fmc_stream_caller_receive_many).  Never declines. */
+ * receive side it then owns, see fmc_stream_caller_receive).  Never declines. */
 static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **caller_rx)
 {
     fmc_peer *p = req->peer;
@@ -125,16 +101,8 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
     if (nready < 1)
         nready = 1; /* not connected: stream 0 refuses it */
     int stream = start_stream(p, total, nready);
-    int split = split_small_batch(req, total, nready);
-    uint64_t run_bytes;
-    if (split) {
-        int ways = nready < p->engine->opts.split_streams ? nready : p->engine->opts.split_streams;
-        run_bytes = (total + (uint64_t)ways - 1) / (uint64_t)ways;
-        if (run_bytes < FMC_SPLIT_SHARE_BYTES)
-            run_bytes = FMC_SPLIT_SHARE_BYTES;
-    } else {
-        run_bytes = stream_run_bytes(p, total, req->group ? FMC_GROUP_SHARE_BYTES : FMC_SMALL_TRANSFER_BYTES, nready);
-    }
+    uint64_t run_bytes = stream_run_bytes(p, total, req->group ? FMC_GROUP_SHARE_BYTES : FMC_SMALL_TRANSFER_BYTES,
+                                          nready);
     uint64_t run = 0;
     uint64_t first_id = atomic_fetch_add(&p->next_id, nslices); /* one atomic per batch, not per slice */
     int k = 0;
@@ -171,11 +139,10 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
      * that fits one stream, and a synchronous read's requests on every stream: they carry no
      * payload, and each wake-up spared costs tens of microseconds on a loaded small machine.
      * Other writes keep their sender threads, which push the streams' payloads in parallel. */
-    int small = (used == 1 || split) && (inline_deadline_ms >= 0 || inline_deadline_ms == FMC_INLINE_NOWAIT) &&
+    int small = used == 1 && (inline_deadline_ms >= 0 || inline_deadline_ms == FMC_INLINE_NOWAIT) &&
                 b->bytes <= FMC_SMALL_TRANSFER_BYTES;
     int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
     int claim = small && caller_rx && opcode == FMC_OP_WRITE && fmc_spin_us(p->engine) > 0;
-    claimed_here.n = 0;
     for (int i = 0; i < p->nstreams; i++) {
         if (!per_stream[i].head)
             continue;
@@ -185,10 +152,8 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
             rc = fmc_stream_enqueue_inline(&p->streams[i], &per_stream[i], inline_deadline_ms, claim, &claimed);
         else
             rc = fmc_stream_enqueue(&p->streams[i], &per_stream[i]);
-        if (claimed && claimed_here.n < FMC_CALLER_RX_MAX) {
-            claimed_here.st[claimed_here.n++] = &p->streams[i];
-            *caller_rx = &claimed_here;
-        }
+        if (claimed)
+            *caller_rx = &p->streams[i];
         if (rc == FMC_ERR_SOCKET)
             fmc_slices_finish(head, FMC_ERR_SOCKET); /* never queued: the stream was already down */
         else if (rc == FMC_ERR_TIMEOUT)
@@ -237,8 +202,7 @@ static void tcp_cancel_tasks(fmc_batch *b, int first, int count)
 
 static void tcp_caller_receive(void *caller_rx, fmc_batch *b, int64_t until_us)
 {
-    caller_streams *cs = caller_rx;
-    fmc_stream_caller_receive_many(cs->st, cs->n, b, until_us);
+    fmc_stream_caller_receive(caller_rx, b, until_us);
 }
 
 const fmc_transport_ops fmc_tcp_ops = {
