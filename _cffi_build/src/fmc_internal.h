@@ -29,6 +29,9 @@ enum fmc_trace_event {
     FMC_TR_FENCE_WAIT = 11, /* it waits for a piece's gather: a = socket */
     FMC_TR_FENCED = 12,     /* the gather has landed: a = socket */
     FMC_TR_SENT = 13,       /* the piece has left: a = socket, b = iovecs */
+    FMC_TR_ROUND = 14,      /* a stream's send round starts: a = socket, b = bytes */
+    FMC_TR_HANDOFF = 15,    /* the socket is full: the round's rest waits for room: a = socket */
+    FMC_TR_ROUND_END = 16,  /* the round has left: a = socket, b = 0 or the failure */
     FMC_TR_REQUEST = 20,    /* a target took a vector request: a = socket, b = entries */
     FMC_TR_RECV = 21,       /* it starts receiving a piece into staging: a = socket, b = entries */
     FMC_TR_RECEIVED = 22,   /* the piece has arrived: a = socket, b = bytes */
@@ -36,6 +39,8 @@ enum fmc_trace_event {
     FMC_TR_LANDED = 24,     /* the copy has landed: a = socket */
     FMC_TR_ANSWER = 25,     /* it sends the queued answers: a = socket, b = iovecs */
     FMC_TR_ANSWERED = 26,   /* they have left: a = socket */
+    FMC_TR_WAKE = 30,       /* a pool worker takes an event: a = its events, b = 1 serve pool, 0 I/O pool */
+    FMC_TR_FINISH = 31,     /* slices end (answered, or failed): a = the first one's batch's tasks */
 };
 #ifdef FMC_TRACE
 void fmc_trace(int event, uint64_t a, uint64_t b);

@@ -31,8 +31,9 @@ __all__ = ["EVENTS", "Event", "calls", "main", "read_events", "report", "step_du
 # enum fmc_trace_event, by value (tests/test_trace_report.py keeps them in step).
 EVENTS = {
     1: "CALL", 2: "CALL_END",
-    10: "GATHER", 11: "FENCE_WAIT", 12: "FENCED", 13: "SENT",
+    10: "GATHER", 11: "FENCE_WAIT", 12: "FENCED", 13: "SENT", 14: "ROUND", 15: "HANDOFF", 16: "ROUND_END",
     20: "REQUEST", 21: "RECV", 22: "RECEIVED", 23: "LAND_WAIT", 24: "LANDED", 25: "ANSWER", 26: "ANSWERED",
+    30: "WAKE", 31: "FINISH",
 }
 # Steps timed from one event to the next of the other kind on the same thread.
 STEPS = {
@@ -41,6 +42,7 @@ STEPS = {
     "receive a piece": ("RECV", "RECEIVED"),
     "wait for a copy to the GPU": ("LAND_WAIT", "LANDED"),
     "send answers": ("ANSWER", "ANSWERED"),
+    "send a round": ("ROUND", "ROUND_END"),
 }
 
 

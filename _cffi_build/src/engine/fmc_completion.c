@@ -85,6 +85,8 @@ void fmc_engine_wake_end_waiters(fmc_engine *e)
  * before a slice is finished and nothing of a batch is touched after its lock is released. */
 void fmc_slices_finish(fmc_slice *s, int status)
 {
+    if (s)
+        FMC_TR(FMC_TR_FINISH, s->batch->ntasks, 0);
     while (s) {
         fmc_batch *b = s->batch;
         pthread_mutex_lock(&b->mu);

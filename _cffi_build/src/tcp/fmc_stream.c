@@ -703,6 +703,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     if (first_sent)
         rx_expect_answers_locked(st); /* before the first byte leaves */
     int fd = st->fd;
+    FMC_TR(FMC_TR_ROUND, fd, bytes);
     if (deadline_ms == FMC_INLINE_NOWAIT) {
         /* A GPU source (staging waits on a copy) or a zero-copy payload goes whole to the send
          * side, which sends it blocking; otherwise send what the socket takes now and leave the
@@ -729,6 +730,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->rest_nzc = nzc;
         sc->rest_gpu = gpu;
         st->handoff = 1;
+        FMC_TR(FMC_TR_HANDOFF, fd, rest_n);
         pthread_cond_broadcast(&st->cv); /* an exit path may wait on cv too */
         tx_kick_locked(st);
         return 0;
@@ -753,6 +755,7 @@ static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc)
     for (int i = 0; i < nw; i++)
         sc->writes[i]->sending = 0;
     st->sending_active = 0;
+    FMC_TR(FMC_TR_ROUND_END, st->fd, rc < 0 ? -rc : rc);
     /* Wake the send side only for queued work, and an exit path waiting to close fd: a
      * needless wake-up per inline call costs the caller a context switch on a small machine. */
     if (st->pending.head || st->dead || ack_due(st)) {

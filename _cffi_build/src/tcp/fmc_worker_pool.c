@@ -154,8 +154,10 @@ static void *worker_main(void *arg)
         if (n == 1)
             grow_if_starved_locked(pool); /* someone to take the next event */
         pthread_mutex_unlock(&pool->mu);
-        if (n == 1)
+        if (n == 1) {
+            FMC_TR(FMC_TR_WAKE, ev.events, pool->name[0] == 's');
             pool->dispatch(ev.data.ptr, ev.events);
+        }
     }
 }
 
