@@ -44,14 +44,20 @@ int fmc_pool_set_cap(fmc_worker_pool *pool, int n)
 
 static void *worker_main(void *arg);
 
-/* Wake one waiting worker through wake_fd (it then looks at the timers). */
+/* Wake one worker through wake_fd (it then looks at the timers): one waiting now, or the next
+ * to wait, since the eventfd stays readable until a worker takes it. */
 static void wake_one_locked(fmc_worker_pool *pool)
 {
     uint64_t one = 1;
-    if (pool->waiting && pool->wake_fd >= 0 && write(pool->wake_fd, &one, sizeof one) < 0) {
+    if (pool->wake_fd >= 0 && write(pool->wake_fd, &one, sizeof one) < 0) {
         /* EAGAIN: a wake-up is pending anyway */
     }
 }
+
+/* The counts workers change without the lock (it stays off the path of every event: many
+ * workers woken at once would queue on it, each waking the next, tens of microseconds in all). */
+static int load(const int *v) { return __atomic_load_n(v, __ATOMIC_ACQUIRE); }
+static void add(int *v, int d) { __atomic_add_fetch(v, d, __ATOMIC_ACQ_REL); }
 
 /* Start one worker; caller holds pool->mu.  0 if the thread could not be made. */
 static int spawn_locked(fmc_worker_pool *pool)
@@ -64,15 +70,25 @@ static int spawn_locked(fmc_worker_pool *pool)
     int ok = pthread_create(&t, &attr, worker_main, pool) == 0;
     pthread_attr_destroy(&attr);
     if (ok)
-        pool->workers++;
+        add(&pool->workers, 1);
     return ok;
 }
 
 /* Nobody is left watching the set and the cap allows one more: start it. */
 static void grow_if_starved_locked(fmc_worker_pool *pool)
 {
-    if (pool->waiting == 0 && pool->workers - pool->blocked < pool->cap)
+    if (load(&pool->waiting) == 0 && load(&pool->workers) - load(&pool->blocked) < pool->cap)
         spawn_locked(pool);
+}
+
+/* The same, taking the lock only when nobody is left waiting. */
+static void grow_if_starved(fmc_worker_pool *pool)
+{
+    if (load(&pool->waiting) != 0)
+        return;
+    pthread_mutex_lock(&pool->mu);
+    grow_if_starved_locked(pool);
+    pthread_mutex_unlock(&pool->mu);
 }
 
 /* Timers due by now leave the list (caller holds mu); returns them linked, and sets *wait_ms to
@@ -113,29 +129,32 @@ static void *worker_main(void *arg)
     sigaddset(&pipe_signal, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     for (;;) {
-        pthread_mutex_lock(&pool->mu);
-        int timer_ms = -1;
-        fmc_pool_timer *due = take_due_locked(pool, &timer_ms);
-        if (due) {
+        int timer_ms = -1, keeper = 0;
+        if (__atomic_load_n(&pool->timers, __ATOMIC_ACQUIRE)) { /* timers: under the lock */
+            pthread_mutex_lock(&pool->mu);
+            fmc_pool_timer *due = take_due_locked(pool, &timer_ms);
+            if (due) {
+                pthread_mutex_unlock(&pool->mu);
+                fire_timers(due);
+                continue;
+            }
+            keeper = timer_ms >= 0 && !pool->timekeeper;
+            pool->timekeeper |= keeper;
             pthread_mutex_unlock(&pool->mu);
-            fire_timers(due);
-            continue;
         }
-        int extra = pool->workers > pool->core;
-        int keeper = timer_ms >= 0 && !pool->timekeeper;
-        pool->timekeeper |= keeper;
+        int extra = load(&pool->workers) > pool->core;
         int wait = keeper ? timer_ms : extra ? FMC_POOL_IDLE_MS : -1;
-        pool->waiting++;
-        int epfd = pool->epfd;
-        pthread_mutex_unlock(&pool->mu);
+        add(&pool->waiting, 1);
         struct epoll_event ev;
-        int n = epoll_wait(epfd, &ev, 1, wait);
-        pthread_mutex_lock(&pool->mu);
-        pool->waiting--;
-        if (keeper)
+        int n = epoll_wait(pool->epfd, &ev, 1, wait);
+        add(&pool->waiting, -1);
+        if (keeper) {
+            pthread_mutex_lock(&pool->mu);
             pool->timekeeper = 0;
-        if (keeper && n == 1 && pool->timers)
-            wake_one_locked(pool); /* another worker keeps time while this one works */
+            if (n == 1 && pool->timers)
+                wake_one_locked(pool); /* another worker keeps time while this one works */
+            pthread_mutex_unlock(&pool->mu);
+        }
         if (n == 1 && ev.data.ptr == NULL) { /* wake_fd: a timer to keep */
             uint64_t count;
             if (read(pool->wake_fd, &count, sizeof count) < 0) {
@@ -143,18 +162,20 @@ static void *worker_main(void *arg)
             }
             struct epoll_event again = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = NULL};
             epoll_ctl(pool->epfd, EPOLL_CTL_MOD, pool->wake_fd, &again);
+            continue;
+        }
+        if (n == 0 && !keeper) {
+            pthread_mutex_lock(&pool->mu);
+            if (pool->workers > pool->core) {
+                add(&pool->workers, -1);
+                pthread_mutex_unlock(&pool->mu);
+                return NULL;
+            }
             pthread_mutex_unlock(&pool->mu);
             continue;
         }
-        if (n == 0 && !keeper && pool->workers > pool->core) {
-            pool->workers--;
-            pthread_mutex_unlock(&pool->mu);
-            return NULL;
-        }
-        if (n == 1)
-            grow_if_starved_locked(pool); /* someone to take the next event */
-        pthread_mutex_unlock(&pool->mu);
         if (n == 1) {
+            grow_if_starved(pool); /* someone to take the next event */
             FMC_TR(FMC_TR_WAKE, ev.events, pool->name[0] == 's');
             pool->dispatch(ev.data.ptr, ev.events);
         }
@@ -186,9 +207,9 @@ int fmc_pool_start(fmc_worker_pool *pool)
     }
     pool->epfd = epfd;
     pool->wake_fd = wake;
-    while (pool->workers < pool->core && spawn_locked(pool))
+    while (load(&pool->workers) < pool->core && spawn_locked(pool))
         ;
-    rc = pool->workers > 0 ? FMC_OK : FMC_ERR_MEMORY;
+    rc = load(&pool->workers) > 0 ? FMC_OK : FMC_ERR_MEMORY;
 out:
     pthread_mutex_unlock(&pool->mu);
     return rc;
@@ -208,20 +229,15 @@ void fmc_pool_blocking_begin(void)
     fmc_worker_pool *pool = my_pool;
     if (!pool)
         return;
-    pthread_mutex_lock(&pool->mu);
-    pool->blocked++;
-    grow_if_starved_locked(pool);
-    pthread_mutex_unlock(&pool->mu);
+    add(&pool->blocked, 1);
+    grow_if_starved(pool);
 }
 
 void fmc_pool_blocking_end(void)
 {
     fmc_worker_pool *pool = my_pool;
-    if (!pool)
-        return;
-    pthread_mutex_lock(&pool->mu);
-    pool->blocked--;
-    pthread_mutex_unlock(&pool->mu);
+    if (pool)
+        add(&pool->blocked, -1);
 }
 
 void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms)
@@ -260,7 +276,7 @@ void fmc_pool_timer_cancel(fmc_worker_pool *pool, fmc_pool_timer *t)
 void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap)
 {
     pthread_mutex_lock(&pool->mu);
-    *workers = pool->workers;
+    *workers = load(&pool->workers);
     *cap = pool->cap > 0 ? pool->cap : fmc_pool_default_cap();
     pthread_mutex_unlock(&pool->mu);
 }

@@ -25,14 +25,14 @@ typedef struct fmc_worker_pool {
     pthread_mutex_t mu;
     int epfd;                /* -1 until started */
     int wake_fd;             /* eventfd: a timer was queued while every worker slept without one */
-    int workers;             /* alive */
-    int waiting;             /* in epoll_wait */
-    int blocked;             /* inside fmc_pool_blocking_begin/end: not counted against the cap */
+    int workers;             /* alive (atomic; changed under mu) */
+    int waiting;             /* in epoll_wait (atomic) */
+    int blocked;             /* inside fmc_pool_blocking_begin/end, not counted against the cap (atomic) */
     int core;                /* kept however idle */
     int cap;                 /* workers not blocked, at most (0: from the CPUs) */
     int core_wanted;         /* 0: as many as CPUs */
     int timekeeper;          /* a waiting worker sleeps until the first timer is due */
-    fmc_pool_timer *timers;  /* sorted by due_ms */
+    fmc_pool_timer *timers;  /* sorted by due_ms (changed under mu; workers look without it first) */
 } fmc_worker_pool;
 
 #define FMC_WORKER_POOL_INIT(pool_name, fn, core_n)                                                              \
