@@ -32,6 +32,7 @@ enum fmc_trace_event {
     FMC_TR_ROUND = 14,      /* a stream's send round starts: a = socket, b = bytes */
     FMC_TR_HANDOFF = 15,    /* the socket is full: the round's rest waits for room: a = socket */
     FMC_TR_ROUND_END = 16,  /* the round has left: a = socket, b = 0 or the failure */
+    FMC_TR_RESUME = 17,     /* the send side takes up a handed-off round: a = socket */
     FMC_TR_REQUEST = 20,    /* a target took a vector request: a = socket, b = entries */
     FMC_TR_RECV = 21,       /* it starts receiving a piece into staging: a = socket, b = entries */
     FMC_TR_RECEIVED = 22,   /* the piece has arrived: a = socket, b = bytes */
@@ -39,6 +40,9 @@ enum fmc_trace_event {
     FMC_TR_LANDED = 24,     /* the copy has landed: a = socket */
     FMC_TR_ANSWER = 25,     /* it sends the queued answers: a = socket, b = iovecs */
     FMC_TR_ANSWERED = 26,   /* they have left: a = socket */
+    FMC_TR_SERVE = 27,      /* a target's worker takes up a connection: a = socket, b = bytes buffered */
+    FMC_TR_SPIN = 28,       /* it polls for the next request: a = socket, b = the last one's bytes */
+    FMC_TR_YIELD = 29,      /* it gives the connection back to the pool: a = socket */
     FMC_TR_WAKE = 30,       /* a pool worker takes an event: a = its events, b = 1 serve pool, 0 I/O pool */
     FMC_TR_FINISH = 31,     /* slices end (answered, or failed): a = the first one's batch's tasks */
 };

@@ -32,7 +32,9 @@ __all__ = ["EVENTS", "Event", "calls", "main", "read_events", "report", "step_du
 EVENTS = {
     1: "CALL", 2: "CALL_END",
     10: "GATHER", 11: "FENCE_WAIT", 12: "FENCED", 13: "SENT", 14: "ROUND", 15: "HANDOFF", 16: "ROUND_END",
+    17: "RESUME",
     20: "REQUEST", 21: "RECV", 22: "RECEIVED", 23: "LAND_WAIT", 24: "LANDED", 25: "ANSWER", 26: "ANSWERED",
+    27: "SERVE", 28: "SPIN", 29: "YIELD",
     30: "WAKE", 31: "FINISH",
 }
 # Steps timed from one event to the next of the other kind on the same thread.

@@ -581,6 +581,7 @@ static int spin_for_more(const fmc_engine *e, fmc_reader *rd, size_t need, uint6
     int spin = fmc_spin_us_after(e, last_len);
     if (spin <= 0)
         return 0;
+    FMC_TR(FMC_TR_SPIN, rd->fd, last_len);
     int64_t until = fmc_now_us() + spin;
     while (fmc_reader_buffered(rd) < need && fmc_now_us() < until) {
         if (fmc_reader_try_more(rd) < 0)
@@ -948,6 +949,7 @@ static int receive_host_write(fmc_conn_state *cs, fmc_region *r, uint64_t id, ui
 static int serve_some(fmc_conn_state *cs)
 {
     fmc_engine *e = cs->e;
+    FMC_TR(FMC_TR_SERVE, cs->rd.fd, fmc_reader_buffered(&cs->rd));
     if (!cs->wire) {
         int first = first_bytes(cs);
         if (first != SERVE_YIELD || !cs->wire)
@@ -971,8 +973,10 @@ static int serve_some(fmc_conn_state *cs)
             if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
                 if (flush(cs) < 0 || spin_for_more(cs->e, &cs->rd, FMC_REQ_SIZE, cs->last_len) < 0)
                     break;
-                if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE)
+                if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
+                    FMC_TR(FMC_TR_YIELD, cs->rd.fd, 0);
                     return SERVE_YIELD; /* back to the pool's set until more comes */
+                }
             }
             /* Stamped when the socket is read, not per request: a busy connection passes here
              * often enough for eviction's half-second idleness test. */

@@ -781,6 +781,7 @@ static int finish_handoff(fmc_stream *st)
 {
     send_scratch *sc = st->scratch;
     int fd = st->fd, nw = sc->rest_nw, rc;
+    FMC_TR(FMC_TR_RESUME, fd, 0);
     if (st->dead) {
         rc = -1;
     } else if (sc->rest_gpu || (sc->rest_nzc && stream_zc(st))) {
