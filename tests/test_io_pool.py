@@ -195,8 +195,9 @@ print(orjson.dumps({"read": result.get("read"), "digest": big.digest(0, big.size
 
 @pytest.mark.timeout(120)
 def test_the_pool_shrinks_back_to_its_core_after_a_burst_of_peers():
-    """Writes to 16 peers at once, verified, grow the I/O pool within its cap; 2 s after the
-    burst its extra workers have ended and it is back to its 2 core threads."""
+    """Writes to 16 peers at once, verified, grow the I/O pool within its cap (plus the threads
+    waiting on a peer); 2 s after the burst its extra workers have ended and it is back to its
+    2 core threads."""
     peers = [NodeProcess(regions=[MIB]) for _ in range(16)]
     eng = TransferEngine(transport="tcp", streams_per_peer=2)
     buf = HostBuffer(MIB)
@@ -210,7 +211,9 @@ def test_the_pool_shrinks_back_to_its_core_after_a_burst_of_peers():
         for p in peers:
             assert p.call("digest", region=0, offset=0, length=MIB)["digest"] == digest
         stats = eng.stats()
-        assert 1 <= stats["io_threads"] <= stats["io_threads_cap"], stats
+        # Threads inside a blocking send or read (fmc_pool_blocking_begin) do not count against
+        # the cap, and one more may start meanwhile: at most one per stream (2 per peer here).
+        assert 1 <= stats["io_threads"] <= stats["io_threads_cap"] + 2 * len(peers), stats
         deadline = time.monotonic() + 5.0
         while eng.stats()["io_threads"] > 2 and time.monotonic() < deadline:
             time.sleep(0.1)
