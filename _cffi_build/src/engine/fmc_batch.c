@@ -194,7 +194,7 @@ int fmc_batch_cancel(fmc_batch *b)
  * spin_us (FLAGCX_MC_SPIN_US), default 30, 0 to never poll.  On a VM a sleeping thread takes
  * tens of microseconds to wake; a small transfer's round trip ends within the poll and saves that
  * wake-up on each side, at the price of at most this much CPU per call. */
-static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
+static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin, int64_t call_timeout_ms)
 {
     struct timespec ts;
     if (timeout_ms >= 0)
@@ -219,7 +219,7 @@ static int batch_wait(fmc_batch *b, int64_t timeout_ms, int spin)
         return rc;
     fmc_batch_cancel(b);
     fmc_set_error("transfer to %s:%d timed out after %lld ms", b->peer->host, b->peer->data_port,
-                  (long long)timeout_ms);
+                  (long long)call_timeout_ms);
     return FMC_ERR_TIMEOUT;
 }
 
@@ -245,7 +245,7 @@ int fmc_batch_wait_done(fmc_batch *b, int64_t timeout_ms)
 
 int fmc_batch_wait(fmc_batch *b, int64_t timeout_ms)
 {
-    return batch_wait(b, timeout_ms, fmc_spin_us_after(b->peer->engine, b->bytes));
+    return batch_wait(b, timeout_ms, fmc_spin_us_after(b->peer->engine, b->bytes), timeout_ms);
 }
 
 void fmc_batch_free(fmc_batch *b)
@@ -321,7 +321,14 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
         b->ops->caller_receive(receiving, b, until);
         spin = 0; /* polled already */
     }
-    rc = batch_wait(b, timeout_ms, spin);
+    /* The deadline counts from the call's start: the caller may have spent part of it sending
+     * (a share of a write over several streams, sent blocking by the deadline). */
+    int64_t left_ms = timeout_ms;
+    if (timeout_ms >= 0) {
+        int64_t spent_ms = (fmc_now_us() - start_us) / 1000;
+        left_ms = spent_ms < timeout_ms ? timeout_ms - spent_ms : 0;
+    }
+    rc = batch_wait(b, left_ms, spin, timeout_ms);
     FMC_TR(FMC_TR_CALL_END, rc, 0);
     if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT)
         set_failure_reason(p, rc);
