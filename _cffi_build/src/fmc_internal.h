@@ -522,7 +522,7 @@ typedef struct fmc_stream {
     int zc_link;              /* the connection stays within this host: zero-copy sends pay off */
     uint64_t zc_owed;         /* zero-copy read answers consumed, not yet acknowledged (fmc_wire.h) */
     int zc_ack_idle;          /* the stream idled with some owed: acknowledge them now */
-    int64_t idle_since_ms;    /* when the receive side last parked with nothing in flight */
+    int64_t idle_since_ms;    /* when the receive side last parked with nothing in flight (ack timer) */
     int dead;
     int restart;              /* cut by a cancel: reconnect and send the innocent slices again */
     int reconnecting;         /* dead, but the sender is connecting again (slices may queue) */

@@ -377,10 +377,20 @@ static void send_ack_if_due_locked(fmc_stream *st)
         tx_kick_locked(st);
 }
 
+/* The receive side parks with nothing in flight: owed acknowledgements go out ZC_ACK_IDLE_MS from
+ * now unless a request carries them first.  (A caller that held the side owes none when it hands
+ * it back: it claimed an idle stream, and its own request carried what was owed.) */
+static void went_idle_locked(fmc_stream *st)
+{
+    st->idle_since_ms = fmc_now_ms();
+    if (st->zc_owed && st->io)
+        fmc_pool_timer_add(&io_pool, &st->io->ack_timer, st->idle_since_ms + ZC_ACK_IDLE_MS);
+}
+
 /* An idle stream that owes acknowledgements sends them ZC_ACK_IDLE_MS after it went idle.  The
- * timer was queued when the stream last parked; a stream that has been busy since (batches back
- * to back) carries its acks with its next requests instead, and its next park queues the timer
- * again, so only a stream quiet for the whole interval sends an ack on its own. */
+ * timer was queued when the stream last went idle; a stream that has been busy since (batches
+ * back to back) carries its acks with its next requests instead, and going idle again queues the
+ * timer again, so only a stream quiet for the whole interval sends an ack on its own. */
 static void ack_timer_fire(fmc_pool_timer *t)
 {
     fmc_io_handle *h = (fmc_io_handle *)((char *)t - offsetof(fmc_io_handle, ack_timer));
@@ -1236,9 +1246,7 @@ static int rx_wait(fmc_stream *st)
             st->rx_events = EPOLLRDHUP | (st->bulk ? EPOLLIN : 0);
             watch_locked(st);
             if (!st->inflight.head)
-                st->idle_since_ms = fmc_now_ms();
-            if (st->zc_owed && st->io)
-                fmc_pool_timer_add(&io_pool, &st->io->ack_timer, st->idle_since_ms + ZC_ACK_IDLE_MS);
+                went_idle_locked(st);
             pthread_mutex_unlock(&st->mu);
             return RX_PARKED;
         }

@@ -132,13 +132,17 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
     b->outstanding = (int)nslices;
     b->finished = nslices == 0;
     *out = b;
-    int used = 0;
+    int used = 0, last_used = -1;
     for (int i = 0; i < p->nstreams; i++)
-        used += per_stream[i].head != NULL;
+        if (per_stream[i].head) {
+            used++;
+            last_used = i;
+        }
     /* The calling thread sends on idle streams itself (no sender-thread wake-up) a small transfer
      * that fits one stream, and a synchronous read's requests on every stream: they carry no
      * payload, and each wake-up spared costs tens of microseconds on a loaded small machine.
-     * Other writes keep their sender threads, which push the streams' payloads in parallel. */
+     * Other writes keep their send sides, which push the streams' payloads in parallel (the
+     * caller of a synchronous one sends one share beside them, below). */
     int small = used == 1 && (inline_deadline_ms >= 0 || inline_deadline_ms == FMC_INLINE_NOWAIT) &&
                 b->bytes <= FMC_SMALL_TRANSFER_BYTES;
     int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
@@ -146,11 +150,7 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
     /* A synchronous write over several streams: the other streams' send sides start first, and
      * the caller, which would only wait, sends the last stream's share itself (one wake-up and
      * one hand-over fewer, and one more core sending). */
-    int caller_share = -1;
-    if (!send_here && used > 1 && opcode == FMC_OP_WRITE && inline_deadline_ms >= 0)
-        for (int i = 0; i < p->nstreams; i++)
-            if (per_stream[i].head)
-                caller_share = i;
+    int caller_share = !send_here && used > 1 && opcode == FMC_OP_WRITE && inline_deadline_ms >= 0 ? last_used : -1;
     for (int i = 0; i < p->nstreams; i++) {
         if (!per_stream[i].head)
             continue;
