@@ -45,6 +45,8 @@ enum fmc_trace_event {
     FMC_TR_YIELD = 29,      /* it gives the connection back to the pool: a = socket */
     FMC_TR_WAKE = 30,       /* a pool worker takes an event: a = its events, b = 1 serve pool, 0 I/O pool */
     FMC_TR_FINISH = 31,     /* slices end (answered, or failed): a = the first one's batch's tasks */
+    FMC_TR_READ_MORE = 32,  /* a target's worker read its socket for a request: a = socket, b = bytes buffered */
+    FMC_TR_PARKED = 33,     /* it resumes a write payload that had stalled: a = socket, b = bytes landed */
 };
 #ifdef FMC_TRACE
 void fmc_trace(int event, uint64_t a, uint64_t b);

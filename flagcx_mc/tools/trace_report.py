@@ -35,7 +35,7 @@ EVENTS = {
     17: "RESUME",
     20: "REQUEST", 21: "RECV", 22: "RECEIVED", 23: "LAND_WAIT", 24: "LANDED", 25: "ANSWER", 26: "ANSWERED",
     27: "SERVE", 28: "SPIN", 29: "YIELD",
-    30: "WAKE", 31: "FINISH",
+    30: "WAKE", 31: "FINISH", 32: "READ_MORE", 33: "PARKED",
 }
 # Steps timed from one event to the next of the other kind on the same thread.
 STEPS = {

@@ -956,6 +956,7 @@ static int serve_some(fmc_conn_state *cs)
             return first;
     }
     if (cs->parked.r) { /* a write whose payload stalled: its rest first */
+        FMC_TR(FMC_TR_PARKED, cs->rd.fd, cs->parked.landed);
         int rc = receive_host_write(cs, cs->parked.r, cs->parked.id, cs->parked.addr, cs->parked.len,
                                     cs->parked.landed);
         if (rc == 1)
@@ -968,6 +969,7 @@ static int serve_some(fmc_conn_state *cs)
     while (!cs->broken) {
         if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
             int more = fmc_reader_try_more(&cs->rd);
+            FMC_TR(FMC_TR_READ_MORE, cs->rd.fd, fmc_reader_buffered(&cs->rd));
             if (more < 0)
                 break;
             if (fmc_reader_buffered(&cs->rd) < FMC_REQ_SIZE) {
