@@ -134,8 +134,9 @@ size_t fmc_copy_checked(void *dst, const void *src, size_t n);
 
 int fmc_send_all(int fd, const void *buf, size_t len);
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
-/* fmc_sendv_all with extra sendmsg flags (MSG_MORE); consumes iov. */
-int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags);
+/* fmc_sendv_all with extra sendmsg flags (MSG_MORE), by deadline_ms as fmc_sendv_deadline when it
+ * is >= 0 (-2 once it passed), else blocking; consumes iov. */
+int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms);
 void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
 /* Join entries that continue one another in memory, in place; returns the new count.  Payloads
  * cut into blocks that lie back to back (a KV cache's consecutive blocks) then cost the kernel
@@ -160,7 +161,8 @@ int fmc_socket_reset(int fd);
 #define FMC_ZC_MIN_BYTES (128u << 10)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
-int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc);
+/* deadline_ms >= 0: give up at that time (fmc_now_ms clock), -2; else blocking.  -1 on error. */
+int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int64_t deadline_ms);
 
 /* ------------------------------------------------------------------------- tcp/fmc_socket.c */
 int fmc_tcp_listen(const char *host, int port_min, int port_max, int *port_out);

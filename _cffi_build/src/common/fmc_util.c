@@ -435,7 +435,10 @@ int fmc_send_all(int fd, const void *buf, size_t len)
     return len ? sendv_loop(fd, &v, 1, 0, -1) : 0;
 }
 
-int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags) { return sendv_loop(fd, iov, iovcnt, flags, -1); }
+int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms)
+{
+    return sendv_loop(fd, iov, iovcnt, flags, deadline_ms);
+}
 
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt) { return sendv_loop(fd, iov, iovcnt, 0, -1); }
 

@@ -222,7 +222,7 @@ static int send_answers(fmc_conn_state *cs)
     if (!cs->nzc) {
         rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
     } else {
-        rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc);
+        rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, -1);
         memset(cs->zc, 0, (size_t)cs->niov);
         cs->nzc = 0;
     }

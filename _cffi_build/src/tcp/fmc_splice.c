@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -85,7 +86,7 @@ static int pipe_ready(int pipefd[2])
 
 /* Bytes that sit in the pipe when splice turns out not to work here: read them back out (the
  * pipe holds page references, so this is an ordinary copy) and send them. */
-static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags)
+static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags, int64_t deadline_ms)
 {
     char buf[16384];
     while (left) {
@@ -96,16 +97,32 @@ static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags)
             return -1;
         }
         struct iovec v = {.iov_base = buf, .iov_len = (size_t)r};
-        if (fmc_sendv_flags(fd, &v, 1, flags) < 0)
-            return -1;
+        int rc = fmc_sendv_flags(fd, &v, 1, flags, deadline_ms);
+        if (rc < 0)
+            return rc;
         left -= (size_t)r;
     }
     return 0;
 }
 
+/* A blocking socket's sends give up after SO_SNDTIMEO (EAGAIN, or a short count): what is left
+ * until deadline_ms, at least 1 ms, or 0 (no limit) to clear it.  splice() into a socket has no
+ * non-blocking mode of its own (it follows the socket's O_NONBLOCK, which the stream's receive
+ * side must not see), so this is how a zero-copy send keeps a caller's deadline. */
+static void send_timeout(int fd, int64_t deadline_ms)
+{
+    int64_t left = deadline_ms < 0 ? 0 : deadline_ms - fmc_now_ms();
+    if (deadline_ms >= 0 && left < 1)
+        left = 1;
+    struct timeval tv = {.tv_sec = (time_t)(left / 1000), .tv_usec = (suseconds_t)(left % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
 /* A run of payloads through the pipe, as many per vmsplice as the pipe holds (the small
- * payloads of a vector go together); `more`: other bytes of this round follow the run. */
-static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2])
+ * payloads of a vector go together); `more`: other bytes of this round follow the run.  With a
+ * deadline, the socket's send timeout is set (fmc_sendv_zc) and a splice it cuts short is
+ * resumed with what is left of it, or gives up (-2) once it has passed. */
+static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2], int64_t deadline_ms)
 {
     cnt = fmc_iov_merge(iov, cnt);
     while (cnt > 0) {
@@ -119,7 +136,7 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
                 return -1;
             /* EFAULT: pages get_user_pages cannot take (VM_IO / PFNMAP mappings) that a plain
              * copy can still read; these payloads go by sendmsg, later ones try again. */
-            return fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0);
+            return fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0, deadline_ms);
         }
         fmc_iov_advance(&iov, &cnt, (size_t)in);
         size_t left = (size_t)in;
@@ -130,19 +147,28 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
                 continue;
             if (out < 0 && unsupported(errno)) {
                 zc_turn_off();
-                if (drain_pipe_plainly(fd, pipefd, left, more || cnt > 0 ? MSG_MORE : 0) < 0)
-                    return -1;
-                return cnt ? fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0) : 0;
+                int rc = drain_pipe_plainly(fd, pipefd, left, more || cnt > 0 ? MSG_MORE : 0, deadline_ms);
+                if (rc < 0)
+                    return rc;
+                return cnt ? fmc_sendv_flags(fd, iov, cnt, more ? MSG_MORE : 0, deadline_ms) : 0;
+            }
+            int timed_out = deadline_ms >= 0 && (out < 0 ? errno == EAGAIN || errno == EWOULDBLOCK : (size_t)out < left);
+            if (out > 0)
+                left -= (size_t)out;
+            if (timed_out && left) {
+                if (fmc_now_ms() >= deadline_ms)
+                    return -2;
+                send_timeout(fd, deadline_ms);
+                continue;
             }
             if (out <= 0)
                 return -1; /* the connection dies; the pipe may hold pages: fmc_sendv_zc closes it */
-            left -= (size_t)out;
         }
     }
     return 0;
 }
 
-static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2])
+static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int pipefd[2], int64_t deadline_ms)
 {
     int i = 0;
     while (i < iovcnt) {
@@ -154,18 +180,23 @@ static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, in
             k++;
         if (j < k && !(fmc_zc_usable() && pipe_ready(pipefd)))
             j = k; /* refused: the run joins the plain one */
-        if (j > i && fmc_sendv_flags(fd, iov + i, j - i, j < iovcnt ? MSG_MORE : 0) < 0)
-            return -1;
-        if (k > j && splice_run(fd, iov + j, k - j, k < iovcnt, pipefd) < 0)
-            return -1;
+        int rc = j > i ? fmc_sendv_flags(fd, iov + i, j - i, j < iovcnt ? MSG_MORE : 0, deadline_ms) : 0;
+        if (rc == 0 && k > j)
+            rc = splice_run(fd, iov + j, k - j, k < iovcnt, pipefd, deadline_ms);
+        if (rc < 0)
+            return rc;
         i = k;
     }
     return 0;
 }
 
-int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc)
+int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int64_t deadline_ms)
 {
-    int rc = sendv_zc(fd, iov, iovcnt, zc, thread_pipe);
+    if (deadline_ms >= 0)
+        send_timeout(fd, deadline_ms);
+    int rc = sendv_zc(fd, iov, iovcnt, zc, thread_pipe, deadline_ms);
+    if (deadline_ms >= 0)
+        send_timeout(fd, -1);
     if (rc < 0)
         pipe_close(thread_pipe); /* pages spliced into it and never sent */
     return rc;
