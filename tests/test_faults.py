@@ -37,6 +37,7 @@ FAILURE_CODES = {
     "async batch": {-1},
     "submit": {-1, -2},
     "small write": {ECONN, ETIMEOUT},
+    "small read": {ECONN, ETIMEOUT},
 }
 
 def post(node: NodeProcess, cmd: str, **kwargs) -> None:
@@ -165,6 +166,9 @@ def test_killed_target_fails_every_waiting_call_then_comes_back_on_same_and_new_
         calls.start("submit", lambda: submit_and_poll(eng, name, buf.addr, target.addr(0), 16 * MIB))
         calls.start("small write", lambda: eng.transfer_sync_write(  # small: sent by the calling thread
             name, buf.addr + BIG // 2, target.addr(0, BIG // 4), 64 << 10))
+        calls.start("small read", lambda: eng.batch_transfer_sync_read(  # its caller reads the answer
+            name, blocks(buf.addr + BIG + BIG // 2, 64, 4096), blocks(target.addr(1, BIG // 2), 64, 4096),
+            [4096] * 64))
         time.sleep(0.3)
         assert not calls.results, f"calls finished against a frozen target: {calls.results}"
         target.kill()
@@ -233,6 +237,9 @@ def test_frozen_target_mid_batch_times_out_on_time_then_recovers(initiator):
         calls.start("submit", lambda: submit_and_poll(eng, name, buf.addr, target.addr(0), 16 * MIB))
         calls.start("small write", lambda: eng.transfer_sync_write(  # small: sent by the calling thread
             name, buf.addr + BIG // 2, target.addr(0, BIG // 4), 64 << 10))
+        calls.start("small read", lambda: eng.batch_transfer_sync_read(  # its caller reads the answer
+            name, blocks(buf.addr + BIG + BIG // 2, 64, 4096), blocks(target.addr(1, BIG // 2), 64, 4096),
+            [4096] * 64))
         results = calls.join(TIMEOUT + SLACK + 1)
         first_start = min(r["start"] for r in results.values())
         for what, r in results.items():
@@ -252,6 +259,33 @@ def test_frozen_target_mid_batch_times_out_on_time_then_recovers(initiator):
         write_verified(eng, buf, target, region=0, offset=11, length=8 * MIB)
         read_verified(eng, buf, target, region=1, offset=13, length=8 * MIB, local_offset=BIG)
         assert target.call("guards")["intact"]
+    finally:
+        if target.proc.poll() is None:
+            os.kill(target.pid, signal.SIGCONT)
+        target.close()
+
+
+def test_small_read_from_a_frozen_target_times_out_on_time_and_nothing_lands_late(initiator):
+    """A small synchronous read's caller reads its own answer (no receive-side wake-up); against
+    a frozen target it still fails at the timeout, and the answer that comes after never lands."""
+    eng, buf = initiator
+    small = 64 * 4096
+    target = NodeProcess(regions=[MIB])
+    try:
+        read_verified(eng, buf, target, length=small)
+        target.call("set", region=0, byte=0x33)
+        target.freeze()
+        start = time.monotonic()
+        rc = eng.batch_transfer_sync_read(target.session, blocks(buf.addr, 64, 4096), blocks(target.addr(0), 64, 4096),
+                                          [4096] * 64)
+        took = time.monotonic() - start
+        assert rc in (ECONN, ETIMEOUT)
+        assert TIMEOUT - 0.1 <= took <= TIMEOUT + SLACK, took
+        buf.fill(0x44, 0, small)
+        os.kill(target.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        assert buf.read(0, small).count(0x44) == small  # no late answer landed
+        read_verified(eng, buf, target, offset=4096, length=small)
     finally:
         if target.proc.poll() is None:
             os.kill(target.pid, signal.SIGCONT)

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -1184,22 +1185,95 @@ static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
     }
 }
 
+/* A read answer into host memory at the head of `inflight`, taken by the caller that owns the
+ * receive side the way the receive side takes it (rx_run), but only once all of it has arrived:
+ * its header buffered and its payload queued in the socket (FIONREAD), so that the receive
+ * cannot block past the call's deadline.  Called and returns with st->mu held (dropped while
+ * the payload is placed).  Returns 1 to keep polling, 0 to stop and leave what is left to the
+ * receive side (nothing in flight, an answer not for a host read, one that matches no request,
+ * or a broken stream, which is killed). */
+static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
+{
+    fmc_reader *rd = &st->rd;
+    fmc_slice *s = st->inflight.head;
+    if (!s || s->batch->opcode != FMC_OP_READ || s->local_dev >= 0)
+        return 0;
+    if (fmc_reader_buffered(rd) < FMC_RESP_SIZE)
+        return 1;
+    fmc_resp a;
+    fmc_resp_decode(rd->buf + rd->start, &a);
+    int k = s->vec_n >= 2 ? s->vec_n : 1;
+    fmc_slice *last = s;
+    for (int j = 1; j < k && last; j++)
+        last = last->next;
+    if (a.id != s->id || !last || a.len > FMC_SMALL_TRANSFER_BYTES + (uint64_t)k * 4)
+        return 0;
+    for (fmc_slice *x = s; x != last->next; x = x->next)
+        if (x->local_dev >= 0)
+            return 0;
+    int queued = 0;
+    if (ioctl(rd->fd, FIONREAD, &queued) < 0)
+        return 0;
+    if (fmc_reader_buffered(rd) - FMC_RESP_SIZE + (size_t)queued < a.len)
+        return 1; /* not all here yet */
+    rd->start += FMC_RESP_SIZE;
+    st->inflight.head = last->next;
+    if (!st->inflight.head)
+        st->inflight.tail = NULL;
+    last->next = NULL;
+    if (st->receiving.tail)
+        st->receiving.tail->next = s;
+    else
+        st->receiving.head = s;
+    st->receiving.tail = last;
+    pthread_mutex_unlock(&st->mu);
+    int got;
+    if (k >= 2) {
+        got = receive_vector(st, rd, &a, s, k, st->rx_gpu, done);
+    } else {
+        s->answer_status = remote_status(a.status);
+        got = a.len != (a.status == FMC_OK ? s->len : 0) ? -1
+              : a.len                                     ? receive_payload(st, rd, s, st->rx_gpu, done)
+                                                          : 0;
+    }
+    int broken = got != 0 || zc_answer_void(st, &a);
+    pthread_mutex_lock(&st->mu);
+    if (broken) {
+        for (fmc_slice *x = s; x; x = x->next)
+            x->answer_status = FMC_ERR_SOCKET;
+        rd->start = rd->end; /* mid-answer: the receive side finds nothing to read, only the end */
+        kill_locked(st);
+        return 0;
+    }
+    st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
+    for (fmc_slice *x = s, *next; x; x = next) {
+        next = x->next;
+        fmc_slice_list_push(done, x);
+    }
+    st->receiving.head = st->receiving.tail = NULL;
+    send_ack_if_due_locked(st);
+    return 1;
+}
+
 /* The caller that claimed the receive side (fmc_stream_enqueue_inline) polls the socket for
  * its answers until batch `b` is finished or `until_us` passes, then hands the receive side
  * back.  On a 2-core machine this is what makes a small synchronous write cheap: only the
- * caller and the target's thread run, and no sleeping receiver needs waking. */
+ * caller and the target's thread run, and no sleeping receiver needs waking; a small read into
+ * host memory saves the same wake-up, and the hand-over of its answer. */
 void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
 {
     int got = 0;
+    int is_read = b->opcode == FMC_OP_READ;
     for (;;) {
         fmc_slice_list done = {0};
         pthread_mutex_lock(&st->mu);
-        int more = !st->dead && take_write_answers_locked(st, &done);
+        int more = !st->dead && (is_read ? take_read_answer_locked(st, &done) : take_write_answers_locked(st, &done));
         pthread_mutex_unlock(&st->mu);
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         if (!more || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)
             break;
-        got = fmc_reader_try_more(&st->rd);
+        /* A read's header in hand, the rest is counted in the socket (FIONREAD), not read ahead. */
+        got = is_read && fmc_reader_buffered(&st->rd) >= FMC_RESP_SIZE ? 0 : fmc_reader_try_more(&st->rd);
         if (got < 0)
             break; /* EOF or error: the thread reads it again and fails the stream */
         if (got == 0)
@@ -1209,8 +1283,10 @@ void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
     st->caller_recv = 0;
     if (st->rx_state == FMC_ROLE_OFF) { /* back to the receive side, on the watch it parked with */
         st->rx_state = FMC_ROLE_ARMED;
-        st->rx_events = EPOLLRDHUP | (st->inflight.head || st->bulk || got < 0 ? EPOLLIN : 0);
+        st->rx_events = EPOLLRDHUP | (st->inflight.head || st->bulk || st->dead || got < 0 ? EPOLLIN : 0);
         watch_locked(st);
+        if (!st->inflight.head && !st->dead)
+            went_idle_locked(st); /* a read's zero-copy answers are owed an acknowledgement */
     }
     if (st->dead)
         pthread_cond_broadcast(&st->cv); /* the exit path waits for the receive side */

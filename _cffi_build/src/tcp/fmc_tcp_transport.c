@@ -65,7 +65,7 @@ static uint64_t slice_bytes(const fmc_peer *p, int32_t local_dev)
 
 /* req->inline_deadline_ms >= 0 or FMC_INLINE_NOWAIT: the caller waits for the batch, so a small
  * one may be sent from its thread (FMC_INLINE_NOWAIT: as far as it goes without blocking); with
- * caller_rx also set, a write's caller may read its own answers (*caller_rx: the stream whose
+ * caller_rx also set, the caller may read its own answers (*caller_rx: the stream whose
  * receive side it then owns, see fmc_stream_caller_receive).  Never declines. */
 static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **caller_rx)
 {
@@ -146,7 +146,12 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
     int small = used == 1 && (inline_deadline_ms >= 0 || inline_deadline_ms == FMC_INLINE_NOWAIT) &&
                 b->bytes <= FMC_SMALL_TRANSFER_BYTES;
     int send_here = small || (opcode == FMC_OP_READ && inline_deadline_ms >= 0 && p->proto == FMC_PROTO_NATIVE);
-    int claim = small && caller_rx && opcode == FMC_OP_WRITE && fmc_spin_us(p->engine) > 0;
+    /* Its caller then reads the answers itself: a write's, and a read's into host memory (a GPU
+     * destination's answer goes through the receive side's staging pipeline). */
+    int host_dst = opcode == FMC_OP_READ;
+    for (int i = 0; host_dst && i < n; i++)
+        host_dst = ldev[i] < 0;
+    int claim = small && caller_rx && (opcode == FMC_OP_WRITE || host_dst) && fmc_spin_us(p->engine) > 0;
     /* A synchronous write over several streams: the other streams' send sides start first, and
      * the caller, which would only wait, sends the last stream's share itself (one wake-up and
      * one hand-over fewer, and one more core sending). */
