@@ -1148,6 +1148,21 @@ static int answer_buffered(int proto, const fmc_reader *rd)
     return fmc_reader_buffered(rd) >= (proto == FMC_PROTO_MOONCAKE ? FMC_MC_STATUS_SIZE : FMC_RESP_SIZE);
 }
 
+/* For a caller reading its own answers: the slice at the head of `inflight` (*s), if it is of
+ * `opcode`, its answer's header (*a, left in the buffer) and the slices that answer covers (*k).
+ * 1: all there; -1: the header has not all come yet; 0: no such slice. */
+static int head_answer(fmc_stream *st, int opcode, fmc_slice **s, fmc_resp *a, int *k)
+{
+    *s = st->inflight.head;
+    if (!*s || (*s)->batch->opcode != opcode)
+        return 0;
+    if (fmc_reader_buffered(&st->rd) < FMC_RESP_SIZE)
+        return -1;
+    fmc_resp_decode(st->rd.buf + st->rd.start, a);
+    *k = (*s)->vec_n >= 2 ? (*s)->vec_n : 1;
+    return 1;
+}
+
 /* Write answers already buffered for the slices at the head of `inflight`, taken the way the
  * receiver thread takes them (native framing; writes carry no payload back, so nothing needs
  * placing).  Called with st->mu held by the caller that owns the receive side.  Returns 1 to
@@ -1157,14 +1172,11 @@ static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
 {
     fmc_reader *rd = &st->rd;
     for (;;) {
-        fmc_slice *s = st->inflight.head;
-        if (!s || s->batch->opcode != FMC_OP_WRITE)
-            return 0;
-        if (fmc_reader_buffered(rd) < FMC_RESP_SIZE)
-            return 1;
+        fmc_slice *s;
         fmc_resp a;
-        fmc_resp_decode(rd->buf + rd->start, &a);
-        int k = s->vec_n >= 2 ? s->vec_n : 1;
+        int k, head = head_answer(st, FMC_OP_WRITE, &s, &a, &k);
+        if (head <= 0)
+            return head < 0;
         size_t statuses = k >= 2 && a.status != FMC_OK ? (size_t)k * 4 : 0; /* see fmc_wire.h */
         if (a.id != s->id || a.len != statuses)
             return 0;
@@ -1185,6 +1197,21 @@ static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
     }
 }
 
+/* An answer's slices, first..last at the head of `inflight`, move to `receiving` while its
+ * payload is placed (a cancel then still finds them on the wire and cuts the stream). */
+static void move_to_receiving_locked(fmc_stream *st, fmc_slice *first, fmc_slice *last)
+{
+    st->inflight.head = last->next;
+    if (!st->inflight.head)
+        st->inflight.tail = NULL;
+    last->next = NULL;
+    if (st->receiving.tail)
+        st->receiving.tail->next = first;
+    else
+        st->receiving.head = first;
+    st->receiving.tail = last;
+}
+
 /* A read answer into host memory at the head of `inflight`, taken by the caller that owns the
  * receive side the way the receive side takes it (rx_run), but only once all of it has arrived:
  * its header buffered and its payload queued in the socket (FIONREAD), so that the receive
@@ -1195,14 +1222,11 @@ static int take_write_answers_locked(fmc_stream *st, fmc_slice_list *done)
 static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
 {
     fmc_reader *rd = &st->rd;
-    fmc_slice *s = st->inflight.head;
-    if (!s || s->batch->opcode != FMC_OP_READ || s->local_dev >= 0)
-        return 0;
-    if (fmc_reader_buffered(rd) < FMC_RESP_SIZE)
-        return 1;
+    fmc_slice *s;
     fmc_resp a;
-    fmc_resp_decode(rd->buf + rd->start, &a);
-    int k = s->vec_n >= 2 ? s->vec_n : 1;
+    int k, head = head_answer(st, FMC_OP_READ, &s, &a, &k);
+    if (head <= 0 || s->local_dev >= 0)
+        return head < 0;
     fmc_slice *last = s;
     for (int j = 1; j < k && last; j++)
         last = last->next;
@@ -1217,15 +1241,7 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
     if (fmc_reader_buffered(rd) - FMC_RESP_SIZE + (size_t)queued < a.len)
         return 1; /* not all here yet */
     rd->start += FMC_RESP_SIZE;
-    st->inflight.head = last->next;
-    if (!st->inflight.head)
-        st->inflight.tail = NULL;
-    last->next = NULL;
-    if (st->receiving.tail)
-        st->receiving.tail->next = s;
-    else
-        st->receiving.head = s;
-    st->receiving.tail = last;
+    move_to_receiving_locked(st, s, last);
     pthread_mutex_unlock(&st->mu);
     int got;
     if (k >= 2) {
@@ -1387,15 +1403,7 @@ static void rx_run(fmc_stream *st)
                     broken = 1;
                     break;
                 }
-                st->inflight.head = s->next;
-                if (!st->inflight.head)
-                    st->inflight.tail = NULL;
-                s->next = NULL;
-                if (st->receiving.tail)
-                    st->receiving.tail->next = first;
-                else
-                    st->receiving.head = first;
-                st->receiving.tail = s;
+                move_to_receiving_locked(st, first, s);
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
