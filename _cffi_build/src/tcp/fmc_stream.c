@@ -604,20 +604,6 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         FMC_TR(FMC_TR_GATHER, st->fd, m);
         count++;
         v = to;
-        if (count == 1 && !p->failed) {
-            /* Nothing is ahead of this piece: what leads it and is not staged (a request and its
-             * vector table) leaves now, while the gather runs, so that the target takes up the
-             * request (wakes, pins, gets a staging chunk) meanwhile instead of after it. */
-            int lead = p->from;
-            while (lead < p->to && gdev[lead] < 0)
-                lead++;
-            if (lead > p->from) {
-                rc = send_range(st, sc, p->from, lead, deadline_ms);
-                p->from = lead;
-            }
-            if (rc != 0)
-                break;
-        }
         if (to == niov) { /* the last piece: send everything in order */
             for (; count && rc == 0; count--, head = (head + 1) % FMC_STAGE_DEPTH)
                 rc = send_piece_now(st, sc, &ring[head], deadline_ms);
