@@ -201,6 +201,37 @@ def test_reads_bring_the_same_bytes_with_zero_copy_on_and_off(zero_copy):
         target.close()
 
 
+def test_small_reads_whose_caller_takes_the_answer_still_acknowledge_it():
+    """A small synchronous read's caller reads its (zero-copy) answer itself; the acknowledgement
+    it owes still goes out once the stream is idle, so the target lets the region go at once."""
+    size, block = 2 * MIB, 4 * KIB
+    target = NodeProcess(regions=[size], config={"transport": "tcp"})
+    eng = TransferEngine(transfer_timeout=10.0, transport="tcp")
+    buf = HostBuffer(size)
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, size) == 0
+        digest = target.call("fill", region=0, offset=0, length=size)["digest"]
+        per_call = 64 * block  # 256 KiB: one stream, answered zero-copy
+        for i, start in enumerate(range(0, size, per_call)):
+            offs = list(range(start, start + per_call, block))
+            assert eng.batch_transfer_sync_read(target.session, [buf.addr + o for o in offs],
+                                                [target.addr(0, o) for o in offs], [block] * len(offs)) == 0
+            if i == 0:
+                time.sleep(0.02)  # whatever the first call left owed goes out: the rest is the callers'
+        assert buf.digest(0, size) == digest
+        assert target.call("stats")["zero_copy_answers"] > 0
+        time.sleep(0.05)  # idle for longer than the acknowledgement's 2 ms
+        started = time.monotonic()
+        target.call("unregister", region=0)
+        assert time.monotonic() - started < UNREGISTER_GRACE_S * 0.5  # not the grace of an unacknowledged one
+        assert target.call("stats")["zero_copy_resets"] == 0
+    finally:
+        eng.close()
+        buf.close()
+        target.close()
+
+
 def test_a_read_cut_by_a_dying_target_never_reports_success_with_wrong_bytes():
     """The target dies (its kernel resets the connection) while its answers are in flight."""
     size = 32 * MIB
