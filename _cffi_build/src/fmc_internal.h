@@ -134,8 +134,8 @@ size_t fmc_copy_checked(void *dst, const void *src, size_t n);
 
 int fmc_send_all(int fd, const void *buf, size_t len);
 int fmc_sendv_all(int fd, struct iovec *iov, int iovcnt);
-/* fmc_sendv_all with extra sendmsg flags (MSG_MORE), by deadline_ms as fmc_sendv_deadline when it
- * is >= 0 (-2 once it passed), else blocking; consumes iov. */
+/* fmc_sendv_all with extra sendmsg flags (MSG_MORE); deadline_ms >= 0: gives up at that time
+ * (fmc_now_ms clock), -2, else blocking; -1 on error; consumes iov. */
 int fmc_sendv_flags(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms);
 void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
 /* Join entries that continue one another in memory, in place; returns the new count.  Payloads
@@ -143,8 +143,6 @@ void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n);
  * one page-table walk per run instead of one per block: vmsplice of 1024 adjacent 4 KiB blocks
  * spent most of its time in get_user_pages, once per block. */
 int fmc_iov_merge(struct iovec *iov, int iovcnt);
-/* Like fmc_sendv_all but gives up at deadline_ms (fmc_now_ms clock): -2 on timeout, -1 on error. */
-int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms);
 /* Send what the socket takes without blocking; *iov and *iovcnt are left at the unsent rest
  * (*iovcnt 0 when all went).  -1 on error, else 0. */
 int fmc_sendv_nowait(int fd, struct iovec **iov, int *iovcnt);

@@ -448,11 +448,6 @@ int fmc_socket_reset(int fd)
     return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLERR | POLLHUP));
 }
 
-int fmc_sendv_deadline(int fd, struct iovec *iov, int iovcnt, int64_t deadline_ms)
-{
-    return sendv_loop(fd, iov, iovcnt, 0, deadline_ms < 0 ? 0 : deadline_ms);
-}
-
 int fmc_sendv_nowait(int fd, struct iovec **iov, int *iovcnt)
 {
     struct msghdr msg;

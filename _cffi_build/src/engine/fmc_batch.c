@@ -308,8 +308,9 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     fmc_batch *b = NULL;
     void *receiving = NULL;
     int64_t start_us = fmc_now_us();
+    int64_t deadline_ms = fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms);
     FMC_TR(FMC_TR_CALL, n, 0);
-    int rc = submit(p, opcode, n, local, remote, lens, &b, fmc_now_ms() + (timeout_ms < 0 ? 1 << 30 : timeout_ms), &receiving, 0);
+    int rc = submit(p, opcode, n, local, remote, lens, &b, deadline_ms, &receiving, 0);
     if (rc != FMC_OK)
         return rc;
     int spin = fmc_spin_us_after(b->peer->engine, b->bytes);
@@ -323,11 +324,8 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     }
     /* The deadline counts from the call's start: the caller may have spent part of it sending
      * (a share of a write over several streams, sent blocking by the deadline). */
-    int64_t left_ms = timeout_ms;
-    if (timeout_ms >= 0) {
-        int64_t spent_ms = (fmc_now_us() - start_us) / 1000;
-        left_ms = spent_ms < timeout_ms ? timeout_ms - spent_ms : 0;
-    }
+    int64_t now_ms = fmc_now_ms();
+    int64_t left_ms = timeout_ms < 0 ? timeout_ms : deadline_ms > now_ms ? deadline_ms - now_ms : 0;
     rc = batch_wait(b, left_ms, spin, timeout_ms);
     FMC_TR(FMC_TR_CALL_END, rc, 0);
     if (rc != FMC_OK && rc != FMC_ERR_TIMEOUT)

@@ -378,9 +378,9 @@ static void send_ack_if_due_locked(fmc_stream *st)
         tx_kick_locked(st);
 }
 
-/* The receive side parks with nothing in flight: owed acknowledgements go out ZC_ACK_IDLE_MS from
- * now unless a request carries them first.  (A caller that held the side owes none when it hands
- * it back: it claimed an idle stream, and its own request carried what was owed.) */
+/* The receive side parks, or a caller that read its own answers hands it back, with nothing in
+ * flight: owed acknowledgements go out ZC_ACK_IDLE_MS from now unless a request carries them
+ * first. */
 static void went_idle_locked(fmc_stream *st)
 {
     st->idle_since_ms = fmc_now_ms();
@@ -498,9 +498,7 @@ static int send_range(fmc_stream *st, send_scratch *sc, int from, int to, int64_
         nzc += sc->zc[i];
     if (nzc && stream_zc(st))
         return send_zc(st, st->fd, iov, n, sc->zc + from, deadline_ms);
-    if (deadline_ms >= 0)
-        return fmc_sendv_deadline(st->fd, iov, n, deadline_ms);
-    return fmc_sendv_all(st->fd, iov, n);
+    return fmc_sendv_flags(st->fd, iov, n, 0, deadline_ms);
 }
 
 /* A piece of a round in the send pipeline: iovecs [from, to), its GPU sources gathered into
@@ -1225,7 +1223,7 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
     fmc_slice *s;
     fmc_resp a;
     int k, head = head_answer(st, FMC_OP_READ, &s, &a, &k);
-    if (head <= 0 || s->local_dev >= 0)
+    if (head <= 0)
         return head < 0;
     fmc_slice *last = s;
     for (int j = 1; j < k && last; j++)
