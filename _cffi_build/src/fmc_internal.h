@@ -498,6 +498,7 @@ typedef struct fmc_stream {
     fmc_slice_list answered;  /* answered while still `sending`; the sender finishes them */
     int sending_active;       /* a send round (thread or inline caller) owns the socket's send side */
     int handoff;              /* an inline round that could not block left its rest to the sender thread */
+    int tx_lingering;         /* the send side's worker waits on cv for the next round (tx_run) */
     /* Both sides of the stream run on the process's I/O pool (fmc_stream.c) as two roles, each
      * taken by a worker once the socket has what it waits for and handed back (the socket
      * watched again) when it would block: threads follow the streams moving bytes now, not

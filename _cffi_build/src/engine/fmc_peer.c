@@ -57,7 +57,7 @@ int fmc_peer_create(fmc_engine *e, const char *host, int data_port, int nstreams
         st->dead = 1; /* until connected */
         st->rx_state = st->tx_state = FMC_ROLE_DONE;
         pthread_mutex_init(&st->mu, NULL);
-        pthread_cond_init(&st->cv, NULL);
+        fmc_cond_init_monotonic(&st->cv); /* the send side's linger waits on it with a deadline */
         st->target_fd = -1;
     }
     *out = p;

@@ -1178,13 +1178,21 @@ static int watch_conn(fmc_conn_state *cs, int fd, int op)
     return fmc_pool_watch(&serve_pool, fd, cs, EPOLLIN | EPOLLRDHUP, op);
 }
 
+/* How long a worker stays with a connection that ran dry, waiting on its socket alone before it
+ * goes back to the pool's set (fmc_pool_linger): a busy initiator's next request then wakes that
+ * worker directly. */
+#define SERVE_LINGER_MS 10
+
 /* Serve a connection that has input until it runs dry (then it goes back to the pool's set) or
  * ends (then it is closed and freed). */
 static void serve_event(void *owner, uint32_t events)
 {
     (void)events;
     fmc_conn_state *cs = owner;
-    switch (serve_some(cs)) {
+    int rc;
+    while ((rc = serve_some(cs)) == SERVE_YIELD && fmc_pool_linger(cs->c->fd, SERVE_LINGER_MS))
+        ;
+    switch (rc) {
     case SERVE_YIELD:
         if (watch_conn(cs, cs->c->fd, EPOLL_CTL_MOD) == FMC_OK)
             return;

@@ -103,8 +103,14 @@ static void tx_kick_locked(fmc_stream *st)
     if (st->tx_state == FMC_ROLE_OFF) {
         st->tx_state = FMC_ROLE_ARMED;
         watch_locked(st);
+    } else if (st->tx_lingering) {
+        pthread_cond_broadcast(&st->cv); /* shared with exit paths, which wait for their own ends */
     }
 }
+
+/* How long a stream's side stays with its worker once it ran dry (fmc_pool_linger_begin): the
+ * next batch then wakes that worker directly. */
+#define STREAM_LINGER_MS 10
 
 /* Answers will come: the receive side, parked on its quiet watch, watches for them. */
 static void rx_expect_answers_locked(fmc_stream *st)
@@ -839,6 +845,19 @@ static void tx_run(fmc_stream *st)
                 break;
             continue;
         }
+        if (STREAM_LINGER_MS > 0 && fmc_pool_linger_begin()) {
+            /* Wait here for the next round (or an inline round's rest): tx_kick_locked wakes it. */
+            struct timespec until;
+            fmc_deadline_ts(STREAM_LINGER_MS, &until);
+            st->tx_lingering = 1;
+            int timed_out = 0;
+            while (!st->dead && !st->handoff && !((st->pending.head || ack_due(st)) && !st->sending_active) && !timed_out)
+                timed_out = pthread_cond_timedwait(&st->cv, &st->mu, &until) == ETIMEDOUT;
+            st->tx_lingering = 0;
+            fmc_pool_linger_end();
+            if (!timed_out)
+                continue;
+        }
         st->tx_state = FMC_ROLE_OFF; /* an inline round in progress kicks it again at its end */
         pthread_mutex_unlock(&st->mu);
         return;
@@ -1328,11 +1347,24 @@ enum { RX_GO, RX_PARKED, RX_LEAVE };
  * answers).  RX_LEAVE once the stream is dead or its socket ended. */
 static int rx_wait(fmc_stream *st)
 {
+    int lingered = 0;
     pthread_mutex_lock(&st->mu);
     for (;;) {
         if (st->dead) {
             pthread_mutex_unlock(&st->mu);
             return RX_LEAVE;
+        }
+        if (!st->caller_recv && !st->inflight.head && st->bulk && !lingered && STREAM_LINGER_MS > 0) {
+            /* Wait on the socket alone for the next batch's answers (fmc_pool_linger); readable
+             * with nothing in flight (an end, or bytes nobody asked for), it parks below and the
+             * set's event has rx_run look at it. */
+            int fd = st->fd;
+            went_idle_locked(st);
+            pthread_mutex_unlock(&st->mu);
+            int ready = fmc_pool_linger(fd, STREAM_LINGER_MS);
+            pthread_mutex_lock(&st->mu);
+            lingered = !ready || !st->inflight.head;
+            continue;
         }
         if (st->caller_recv || !st->inflight.head) {
             st->rx_state = st->caller_recv ? FMC_ROLE_OFF : FMC_ROLE_ARMED;

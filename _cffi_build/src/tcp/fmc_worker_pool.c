@@ -9,6 +9,7 @@
  * stops counting against the cap, so a stalled peer costs one thread, never the others' turn. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -193,6 +194,7 @@ int fmc_pool_start(fmc_worker_pool *pool)
     pool->core = pool->core_wanted > 0 ? pool->core_wanted : fmc_usable_cpus();
     if (pool->core > pool->cap)
         pool->core = pool->cap;
+    pool->linger_max = fmc_usable_cpus() - 1;
     int epfd = epoll_create1(EPOLL_CLOEXEC);
     int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = NULL};
@@ -238,6 +240,33 @@ void fmc_pool_blocking_end(void)
     fmc_worker_pool *pool = my_pool;
     if (pool)
         add(&pool->blocked, -1);
+}
+
+int fmc_pool_linger_begin(void)
+{
+    fmc_worker_pool *pool = my_pool;
+    if (!pool)
+        return 0;
+    if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > pool->linger_max || load(&pool->waiting) == 0) {
+        add(&pool->lingering, -1);
+        return 0;
+    }
+    return 1;
+}
+
+void fmc_pool_linger_end(void)
+{
+    add(&my_pool->lingering, -1);
+}
+
+int fmc_pool_linger(int fd, int ms)
+{
+    if (ms <= 0 || !fmc_pool_linger_begin())
+        return 0;
+    struct pollfd pf = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    int n = poll(&pf, 1, ms);
+    fmc_pool_linger_end();
+    return n == 1;
 }
 
 void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms)

@@ -28,6 +28,8 @@ typedef struct fmc_worker_pool {
     int workers;             /* alive (atomic; changed under mu) */
     int waiting;             /* in epoll_wait (atomic) */
     int blocked;             /* inside fmc_pool_blocking_begin/end, not counted against the cap (atomic) */
+    int lingering;           /* between fmc_pool_linger_begin and _end (atomic) */
+    int linger_max;          /* at most this many linger: one fewer than the CPUs */
     int core;                /* kept however idle */
     int cap;                 /* workers not blocked, at most (0: from the CPUs) */
     int core_wanted;         /* 0: as many as CPUs */
@@ -51,6 +53,19 @@ int fmc_pool_watch(fmc_worker_pool *pool, int fd, void *owner, uint32_t events, 
  * so a stalled peer never starves the others.  No-ops outside the pool's workers. */
 void fmc_pool_blocking_begin(void);
 void fmc_pool_blocking_end(void);
+/* A worker whose owner just ran dry may wait for that owner's next work alone, outside the set,
+ * when the pool can spare it: some other worker still watches the set, and fewer than
+ * linger_max workers linger.  Its owner's next work then wakes this worker directly, as a thread
+ * of its own would be woken.  Through the set it would cost more: epoll wakes a waiter for every
+ * segment that arrives before a worker takes the event, and the next waiter after each worker
+ * takes one, so many waiters on one set turn a burst over several streams into a chain of
+ * wake-ups.  begin returns 1 if the worker may linger (then it must call end), 0 at once outside
+ * the pool's workers. */
+int fmc_pool_linger_begin(void);
+void fmc_pool_linger_end(void);
+/* Linger on one fd: 1 if it turned readable within `ms` (the caller serves it again at once), 0 if
+ * the owner goes back to the set. */
+int fmc_pool_linger(int fd, int ms);
 /* Queue a timer (a no-op if queued already) / take it out. */
 void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms);
 void fmc_pool_timer_cancel(fmc_worker_pool *pool, fmc_pool_timer *t);
