@@ -824,6 +824,7 @@ static int finish_handoff(fmc_stream *st)
  * is full (then the socket is watched for room), or the stream dies (the side leaves). */
 static void tx_run(fmc_stream *st)
 {
+    int lingered = 0; /* waited out a linger with nothing to send */
     pthread_mutex_lock(&st->mu);
     for (;;) {
         if (st->handoff) { /* before leaving too: the round's slices are `sending` until it ends */
@@ -836,6 +837,7 @@ static void tx_run(fmc_stream *st)
             }
             if (rc < 0)
                 break;
+            lingered = 0;
             continue;
         }
         if (st->dead)
@@ -843,20 +845,21 @@ static void tx_run(fmc_stream *st)
         if ((st->pending.head || ack_due(st)) && !st->sending_active) {
             if (send_round(st, FMC_INLINE_NOWAIT) < 0)
                 break;
+            lingered = 0;
             continue;
         }
-        if (STREAM_LINGER_MS > 0 && fmc_pool_linger_begin()) {
-            /* Wait here for the next round (or an inline round's rest): tx_kick_locked wakes it. */
+        if (!lingered && STREAM_LINGER_MS > 0 && fmc_pool_linger_begin()) {
+            /* Wait here for the next round (or an inline round's rest): tx_kick_locked wakes it.
+             * Work that came as the wait timed out is still seen above. */
             struct timespec until;
             fmc_deadline_ts(STREAM_LINGER_MS, &until);
             st->tx_lingering = 1;
-            int timed_out = 0;
-            while (!st->dead && !st->handoff && !((st->pending.head || ack_due(st)) && !st->sending_active) && !timed_out)
-                timed_out = pthread_cond_timedwait(&st->cv, &st->mu, &until) == ETIMEDOUT;
+            while (!st->dead && !st->handoff && !((st->pending.head || ack_due(st)) && !st->sending_active) &&
+                   !lingered)
+                lingered = pthread_cond_timedwait(&st->cv, &st->mu, &until) == ETIMEDOUT;
             st->tx_lingering = 0;
             fmc_pool_linger_end();
-            if (!timed_out)
-                continue;
+            continue;
         }
         st->tx_state = FMC_ROLE_OFF; /* an inline round in progress kicks it again at its end */
         pthread_mutex_unlock(&st->mu);
