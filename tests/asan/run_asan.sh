@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Leak and memory-error check of the C core: builds it with AddressSanitizer (LeakSanitizer
-# included) in a temporary directory (the argument packer too), runs tests/test_core.py, tests/test_transfers.py and
-# tests/test_argpack.py (or the tests given as arguments) against that build, and reports every sanitizer finding that
-# involves the core's own code.  CPython's deliberate leaks at exit are not ours and are left out.
+# included) in a temporary directory (the argument packer too), runs tests/test_core.py, tests/test_transfers.py,
+# tests/test_argpack.py and tests/test_linger.py (or the tests given as arguments) against that build, and reports
+# every sanitizer finding that involves the core's own code.  CPython's deliberate leaks at exit are not ours and are left out.
 #
 #   tests/asan/run_asan.sh                       # from the repository root; 15-60 s
 #   tests/asan/run_asan.sh tests/test_core.py    # other tests
@@ -63,7 +63,7 @@ case "$IMPORTED" in
 esac
 TESTS=("$@")
 if [ ${#TESTS[@]} -eq 0 ]; then
-    TESTS=("$ROOT/tests/test_core.py" "$ROOT/tests/test_transfers.py" "$ROOT/tests/test_argpack.py")
+    TESTS=("$ROOT/tests/test_core.py" "$ROOT/tests/test_transfers.py" "$ROOT/tests/test_argpack.py" "$ROOT/tests/test_linger.py")
 else
     for i in "${!TESTS[@]}"; do TESTS[$i]="$(cd "$(dirname "${TESTS[$i]}")" && pwd)/$(basename "${TESTS[$i]}")"; done
 fi

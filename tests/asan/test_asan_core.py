@@ -1,8 +1,9 @@
 """The AddressSanitizer + LeakSanitizer run of the C core (tests/asan/run_asan.sh) as a test.
 
 Runs in CI (``CI=true``) or with ``FLAGCX_MC_RUN_ASAN=1``, skipped otherwise: it rebuilds the core with
-the sanitizer in a temporary directory and runs tests/test_core.py, tests/test_transfers.py and tests/test_argpack.py
-against that build (about 15-60 s).  The same check by hand: ``tests/asan/run_asan.sh`` from the repository root.
+the sanitizer in a temporary directory and runs tests/test_core.py, tests/test_transfers.py,
+tests/test_argpack.py and tests/test_linger.py against that build (about 15-60 s).  The same check
+by hand: ``tests/asan/run_asan.sh`` from the repository root.
 """
 
 from __future__ import annotations
