@@ -376,6 +376,13 @@ static int ack_due(const fmc_stream *st)
     return st->zc_owed && (st->zc_owed >= ZC_ACK_EVERY || st->zc_ack_idle);
 }
 
+/* The send side has a round to send: slices or an acknowledgement, and no inline round holds
+ * the socket (its end kicks the side again). */
+static int round_due(const fmc_stream *st)
+{
+    return (st->pending.head || ack_due(st)) && !st->sending_active;
+}
+
 /* The receive side, with st->mu held: an acknowledgement due while no round is running goes out
  * from the send side (a running round's end sees it). */
 static void send_ack_if_due_locked(fmc_stream *st)
@@ -842,7 +849,7 @@ static void tx_run(fmc_stream *st)
         }
         if (st->dead)
             break;
-        if ((st->pending.head || ack_due(st)) && !st->sending_active) {
+        if (round_due(st)) {
             if (send_round(st, FMC_INLINE_NOWAIT) < 0)
                 break;
             lingered = 0;
@@ -854,8 +861,7 @@ static void tx_run(fmc_stream *st)
             struct timespec until;
             fmc_deadline_ts(STREAM_LINGER_MS, &until);
             st->tx_lingering = 1;
-            while (!st->dead && !st->handoff && !((st->pending.head || ack_due(st)) && !st->sending_active) &&
-                   !lingered)
+            while (!st->dead && !st->handoff && !round_due(st) && !lingered)
                 lingered = pthread_cond_timedwait(&st->cv, &st->mu, &until) == ETIMEDOUT;
             st->tx_lingering = 0;
             fmc_pool_linger_end();
@@ -1373,7 +1379,7 @@ static int rx_wait(fmc_stream *st)
             st->rx_state = st->caller_recv ? FMC_ROLE_OFF : FMC_ROLE_ARMED;
             st->rx_events = EPOLLRDHUP | (st->bulk ? EPOLLIN : 0);
             watch_locked(st);
-            if (!st->inflight.head)
+            if (!st->inflight.head && !lingered) /* a linger stamped the idle time when it began */
                 went_idle_locked(st);
             pthread_mutex_unlock(&st->mu);
             return RX_PARKED;
