@@ -88,6 +88,8 @@ class DelayProxy:
         self.host, self.listen_addr, self.target_addr = host, listen_addr, target_addr
         self.ports, self.delay = ports, delay
         self.connections = 0
+        self._answer_budget: int | None = None  # bytes the target's side may still pass; None: no limit
+        self._budget_changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._tasks: set = set()
@@ -115,9 +117,24 @@ class DelayProxy:
             self._error = exc
             self._ready.set()
 
+    def hold_answers_after(self, nbytes: int | None) -> None:
+        """From now on pass only ``nbytes`` more bytes from the target's side, then hold the rest
+        (``None``: pass everything again, held bytes first)."""
+        assert self._loop is not None
+
+        def change() -> None:
+            self._answer_budget = nbytes
+            assert self._budget_changed is not None
+            self._budget_changed.set()
+
+        done = threading.Event()
+        self._loop.call_soon_threadsafe(lambda: (change(), done.set()))
+        assert done.wait(5)
+
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._budget_changed = asyncio.Event()
         servers = [await asyncio.start_server(lambda r, w, p=port: self._forward(r, w, p), self.listen_addr, port)
                    for port in self.ports]
         self._ready.set()
@@ -139,7 +156,7 @@ class DelayProxy:
             client_w.transport.abort()
             return
         try:
-            await asyncio.gather(self._pipe(client_r, server_w), self._pipe(server_r, client_w))
+            await asyncio.gather(self._pipe(client_r, server_w), self._pipe(server_r, client_w, answers=True))
         except (OSError, asyncio.CancelledError):
             pass
         finally:
@@ -147,7 +164,23 @@ class DelayProxy:
                 w.transport.abort()  # one side ended or reset: drop both at once
             self._tasks.discard(asyncio.current_task())
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pass(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        """Write ``data`` on from the target's side, within the answer budget (waiting for more)."""
+        while data:
+            budget = self._answer_budget
+            if budget == 0:
+                assert self._budget_changed is not None
+                self._budget_changed.clear()
+                await self._budget_changed.wait()
+                continue
+            part = data if budget is None else data[:budget]
+            if budget is not None:
+                self._answer_budget = budget - len(part)
+            writer.write(part)
+            await writer.drain()
+            data = data[len(part):]
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: bool = False) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         held = 0
@@ -175,8 +208,11 @@ class DelayProxy:
                     if writer.can_write_eof():
                         writer.write_eof()
                     return
-                writer.write(data)
-                await writer.drain()
+                if answers:
+                    await self._pass(writer, data)
+                else:
+                    writer.write(data)
+                    await writer.drain()
                 held -= len(data)
                 if held <= self._HIGH_WATER:
                     room.set()
@@ -266,6 +302,36 @@ def test_added_delay_through_a_proxy_is_slower_and_still_exact(make_network):
         # A request and its answer each cross the proxy once: at least two delays per call.
         assert min(r["seconds"] for r in slow) >= 2 * delay
         assert max(r["seconds"] for r in fast) < 2 * delay
+        assert target.call("guards")["intact"]
+    finally:
+        src.close()
+        target.close()
+
+
+def test_a_small_read_whose_answer_stalls_midway_times_out_on_time_and_the_stream_heals(make_network):
+    """A synchronous read's caller places a small answer itself as it arrives: when the answer
+    stops halfway, the call still ends at its deadline (not when the target's bytes come), the
+    stream is cut, and the next reads through it are byte-exact."""
+    timeout = 2.0
+    net = make_network(3)
+    initiator, proxy_host, target_host = net.hosts
+    target = target_host.node(regions=[16 * MIB])
+    # The caller polls 10 ms for its answers (spin_us), long enough for the proxy to pass the header.
+    src = initiator.node(regions=[16 * MIB],
+                         config={"transfer_timeout": timeout, "streams_per_peer": 1, "spin_us": 10000})
+    try:
+        port = rpc_port(target)
+        ports = [port, data_port(proxy_host, target_host.addr, port)]
+        via_proxy = f"{proxy_host.addr}:{port}"
+        with DelayProxy(proxy_host, proxy_host.addr, target_host.addr, ports, 0.0) as proxy:
+            assert read_and_check(src, target, via_proxy, 0, 0, 256 << 10)["rc"] == 0  # stream up
+            proxy.hold_answers_after(100 << 10)  # the answer's header and part of its payload
+            reply = read_and_check(src, target, via_proxy, MIB, MIB, 256 << 10)
+            assert reply["rc"] == ETIMEOUT, reply
+            assert timeout - 0.2 <= reply["seconds"] <= timeout + 1.0, reply
+            proxy.hold_answers_after(None)
+            again = [read_and_check(src, target, via_proxy, i * MIB, i * MIB + 3, 256 << 10) for i in range(2, 6)]
+            assert all(r["rc"] == 0 for r in again), again
         assert target.call("guards")["intact"]
     finally:
         src.close()

@@ -95,12 +95,19 @@ typedef struct {
     size_t cap, start, end;
     size_t max_read; /* 0, or the most one recv takes: leaves payloads that follow a header in
                       * the socket, to be read straight into place (vectors) */
+    int64_t deadline_ms; /* 0, or when its blocking reads give up (then timed_out is set):
+                          * fmc_reader_set_deadline */
+    int timed_out;
+    int timeout_set;     /* the socket's receive timeout was set for the deadline */
 } fmc_reader;
 
 int fmc_reader_init(fmc_reader *r, int fd, size_t cap);
 void fmc_reader_free(fmc_reader *r);
 static inline size_t fmc_reader_buffered(const fmc_reader *r) { return r->end - r->start; }
 /* Make at least n (<= cap) bytes available; -1 on EOF/error. */
+/* Blocking reads of `r` give up at deadline_ms (a timeout, r->timed_out), through the socket's
+ * receive timeout; 0 clears both. */
+void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms);
 int fmc_reader_fill(fmc_reader *r, size_t n);
 /* Try to pull more bytes without blocking; returns 1 if any arrived, 0 if none, -1 on EOF/error. */
 int fmc_reader_try_more(fmc_reader *r);
@@ -604,8 +611,10 @@ typedef struct fmc_transport_ops {
      * through fmc_slices_finish).  NULL for a transport whose batches end inside submit. */
     void (*cancel_tasks)(struct fmc_batch *b, int first, int count);
     /* The caller of a batch submitted with *caller_rx set polls for its answers itself until
-     * until_us, then hands back what caller_rx names.  NULL if submit never sets it. */
-    void (*caller_receive)(void *caller_rx, struct fmc_batch *b, int64_t until_us);
+     * until_us, then hands back what caller_rx names.  wait_until_ms >= 0: it may also wait in a
+     * receive for an answer that has begun to arrive, until then (the call's deadline); < 0: it
+     * never blocks (an event loop's thread).  NULL if submit never sets it. */
+    void (*caller_receive)(void *caller_rx, struct fmc_batch *b, int64_t until_us, int64_t wait_until_ms);
 } fmc_transport_ops;
 
 #define FMC_MAX_TRANSPORTS 4
@@ -699,7 +708,7 @@ void fmc_slices_finish(fmc_slice *s, int status);
 void fmc_stream_kill(fmc_stream *st);
 int fmc_stream_enqueue(fmc_stream *st, fmc_slice_list *list);
 int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t deadline_ms, int claim_recv, int *claimed);
-void fmc_stream_caller_receive(fmc_stream *st, struct fmc_batch *b, int64_t until_us);
+void fmc_stream_caller_receive(fmc_stream *st, struct fmc_batch *b, int64_t until_us, int64_t wait_until_ms);
 int fmc_slice_cancelled(const fmc_slice *s);
 void fmc_stream_cut(fmc_stream *st);
 /* A connected stream's sides start on the I/O pool (fd set, dead clear); once a closing peer

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -68,6 +69,8 @@ int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
     r->fd = fd;
     r->cap = cap;
     r->max_read = 0;
+    r->deadline_ms = 0;
+    r->timed_out = r->timeout_set = 0;
     r->start = r->end = 0;
     r->buf = malloc(cap);
     return r->buf ? 0 : FMC_ERR_MEMORY;
@@ -100,16 +103,50 @@ static void reader_compact(fmc_reader *r)
 
 /* A blocking recv of the reader that gave up with EAGAIN (a target's connection has a short
  * receive timeout, so that the serve pool can park a write whose payload stalls, see
- * fmc_reader_read_region_some) is tried again until FMC_STALL_MS pass without a byte; *since
- * is when the stall began (0: not stalled). */
-static int keep_waiting(int64_t *since)
+ * fmc_reader_read_region_some) is tried again until FMC_STALL_MS pass without a byte, or until
+ * the reader's deadline (r->timed_out is then set); *since is when the stall began (0: not
+ * stalled). */
+static int keep_waiting(fmc_reader *r, int64_t *since)
 {
     if (errno != EAGAIN && errno != EWOULDBLOCK)
         return 0;
     int64_t now = fmc_now_ms();
+    if (r->deadline_ms && now >= r->deadline_ms) {
+        r->timed_out = 1;
+        return 0;
+    }
     if (!*since)
         *since = now;
     return now - *since < FMC_STALL_MS;
+}
+
+/* Before a blocking recv of a reader with a deadline: the socket's receive timeout set to what
+ * is left of it (a recv that got part of what it waited for returns it at the timeout, and the
+ * next one must not wait a whole timeout again).  0 once it has passed (r->timed_out set). */
+static int deadline_left(fmc_reader *r)
+{
+    if (!r->deadline_ms)
+        return 1;
+    int64_t left = r->deadline_ms - fmc_now_ms();
+    if (left <= 0) {
+        r->timed_out = 1;
+        return 0;
+    }
+    struct timeval tv = {.tv_sec = (time_t)(left / 1000), .tv_usec = (suseconds_t)(left % 1000) * 1000};
+    setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    r->timeout_set = 1;
+    return 1;
+}
+
+void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms)
+{
+    r->deadline_ms = deadline_ms;
+    r->timed_out = 0;
+    if (!deadline_ms && r->timeout_set) {
+        struct timeval none = {0};
+        setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none);
+        r->timeout_set = 0;
+    }
 }
 
 int fmc_reader_fill(fmc_reader *r, size_t n)
@@ -122,11 +159,13 @@ int fmc_reader_fill(fmc_reader *r, size_t n)
     if (r->cap - r->start < n)
         reader_compact(r);
     while (r->end - r->start < n) {
+        if (!deadline_left(r))
+            return -1;
         ssize_t got = recv(r->fd, r->buf + r->end, reader_room(r, n - (r->end - r->start)), 0);
         if (got > 0) {
             r->end += (size_t)got;
             since = 0;
-        } else if (got < 0 && (errno == EINTR || keep_waiting(&since))) {
+        } else if (got < 0 && (errno == EINTR || keep_waiting(r, &since))) {
             continue;
         } else {
             return -1;
@@ -161,6 +200,8 @@ static int recv_into(fmc_reader *r, uint8_t *dst, size_t *left, int park)
 {
     int64_t since = 0;
     while (*left) {
+        if (!deadline_left(r))
+            return -1;
         ssize_t got = recv(r->fd, dst, *left, MSG_WAITALL);
         if (got > 0) {
             dst += got;
@@ -168,7 +209,7 @@ static int recv_into(fmc_reader *r, uint8_t *dst, size_t *left, int park)
             since = 0;
         } else if (got < 0 && park && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             return FMC_READ_PARKED;
-        } else if (got < 0 && (errno == EINTR || keep_waiting(&since))) {
+        } else if (got < 0 && (errno == EINTR || keep_waiting(r, &since))) {
             continue;
         } else {
             return got < 0 && errno == EFAULT ? EFAULT : -1;
@@ -292,8 +333,10 @@ static int read_iov_until_refused(fmc_reader *r, struct iovec *iov, int iovcnt, 
     while (iovcnt > 0) {
         msg.msg_iov = iov;
         msg.msg_iovlen = (size_t)(iovcnt < FMC_IOV_MAX ? iovcnt : FMC_IOV_MAX);
+        if (!deadline_left(r))
+            return -1;
         ssize_t got = recvmsg(r->fd, &msg, MSG_WAITALL);
-        if (got < 0 && (errno == EINTR || keep_waiting(&since)))
+        if (got < 0 && (errno == EINTR || keep_waiting(r, &since)))
             continue;
         since = 0;
         if (got < 0 && errno == EFAULT)
@@ -354,8 +397,10 @@ int fmc_reader_skip(fmc_reader *r, size_t n)
         size_t have = r->end - r->start;
         if (have == 0) {
             r->start = r->end = 0;
+            if (!deadline_left(r))
+                return -1;
             ssize_t got = recv(r->fd, r->buf, r->cap, 0);
-            if (got < 0 && (errno == EINTR || keep_waiting(&since)))
+            if (got < 0 && (errno == EINTR || keep_waiting(r, &since)))
                 continue;
             since = 0;
             if (got <= 0)

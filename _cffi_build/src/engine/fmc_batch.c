@@ -319,7 +319,7 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
         int64_t until = start_us + spin + (int64_t)(b->bytes >> 11);
         if (timeout_ms >= 0 && until > start_us + timeout_ms * 1000)
             until = start_us + timeout_ms * 1000;
-        b->ops->caller_receive(receiving, b, until);
+        b->ops->caller_receive(receiving, b, until, deadline_ms);
         spin = 0; /* polled already */
     }
     /* The deadline counts from the call's start: the caller may have spent part of it sending
@@ -386,7 +386,7 @@ static int start_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local,
         /* Only small transfers, and not at all where the engine never polls (spin_us 0). */
         int64_t until = start_us + (fmc_spin_us_after(p->engine, b->bytes) > 0 ? poll_us : 0);
         if (receiving)
-            b->ops->caller_receive(receiving, b, until); /* also hands the receive side back */
+            b->ops->caller_receive(receiving, b, until, -1); /* also hands the receive side back */
         while (!__atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) && fmc_now_us() < until)
             sched_yield();
     }

@@ -1239,13 +1239,17 @@ static void move_to_receiving_locked(fmc_stream *st, fmc_slice *first, fmc_slice
 }
 
 /* A read answer into host memory at the head of `inflight`, taken by the caller that owns the
- * receive side the way the receive side takes it (rx_run), but only once all of it has arrived:
- * its header buffered and its payload queued in the socket (FIONREAD), so that the receive
- * cannot block past the call's deadline.  Called and returns with st->mu held (dropped while
- * the payload is placed).  Returns 1 to keep polling, 0 to stop and leave what is left to the
- * receive side (nothing in flight, an answer not for a host read, one that matches no request,
- * or a broken stream, which is killed). */
-static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
+ * receive side the way the receive side takes it (rx_run).  Once its header is buffered the
+ * caller places the payload as it arrives, overlapping the target's sending (on loopback a
+ * quarter more calls per second than waiting for all of it), but only where it may wait
+ * (wait_until_ms >= 0): the receive then gives up at that deadline (the socket's receive
+ * timeout, and the reader's deadline), and the stream is cut as a send past its deadline
+ * is.  A caller that must not block takes the answer only once all of it is queued in the
+ * socket (FIONREAD).  Called and returns with st->mu held (dropped while the payload is placed).
+ * Returns 1 to keep polling, 0 to stop and leave what is left to the receive side (nothing in
+ * flight, an answer not for a host read, one that matches no request, or a broken stream, which
+ * is killed). */
+static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t wait_until_ms)
 {
     fmc_reader *rd = &st->rd;
     fmc_slice *s;
@@ -1264,11 +1268,14 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
     int queued = 0;
     if (ioctl(rd->fd, FIONREAD, &queued) < 0)
         return 0;
-    if (fmc_reader_buffered(rd) - FMC_RESP_SIZE + (size_t)queued < a.len)
+    int wait = fmc_reader_buffered(rd) - FMC_RESP_SIZE + (size_t)queued < a.len;
+    if (wait && wait_until_ms < 0)
         return 1; /* not all here yet */
     rd->start += FMC_RESP_SIZE;
     move_to_receiving_locked(st, s, last);
     pthread_mutex_unlock(&st->mu);
+    if (wait)
+        fmc_reader_set_deadline(rd, wait_until_ms > 0 ? wait_until_ms : 1);
     int got;
     if (k >= 2) {
         got = receive_vector(st, rd, &a, s, k, st->rx_gpu, done);
@@ -1278,12 +1285,21 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
               : a.len                                     ? receive_payload(st, rd, s, st->rx_gpu, done)
                                                           : 0;
     }
+    int late = rd->timed_out;
+    if (wait)
+        fmc_reader_set_deadline(rd, 0);
     int broken = got != 0 || zc_answer_void(st, &a);
+    if (broken && late)
+        fmc_batch_mark_cancelled(s->batch); /* past the call's deadline: the others on it are sent again */
     pthread_mutex_lock(&st->mu);
     if (broken) {
         for (fmc_slice *x = s; x; x = x->next)
-            x->answer_status = FMC_ERR_SOCKET;
+            x->answer_status = late ? FMC_ERR_TIMEOUT : FMC_ERR_SOCKET;
         rd->start = rd->end; /* mid-answer: the receive side finds nothing to read, only the end */
+        if (late && !st->dead) { /* cut, as a send past its deadline is (fmc_stream_cut) */
+            __atomic_store_n(&st->restart, 1, __ATOMIC_RELEASE);
+            st->peer->engine->stat_streams_cut++;
+        }
         kill_locked(st);
         return 0;
     }
@@ -1302,14 +1318,15 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done)
  * back.  On a 2-core machine this is what makes a small synchronous write cheap: only the
  * caller and the target's thread run, and no sleeping receiver needs waking; a small read into
  * host memory saves the same wake-up, and the hand-over of its answer. */
-void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us)
+void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us, int64_t wait_until_ms)
 {
     int got = 0;
     int is_read = b->opcode == FMC_OP_READ;
     for (;;) {
         fmc_slice_list done = {0};
         pthread_mutex_lock(&st->mu);
-        int more = !st->dead && (is_read ? take_read_answer_locked(st, &done) : take_write_answers_locked(st, &done));
+        int more = !st->dead &&
+                   (is_read ? take_read_answer_locked(st, &done, wait_until_ms) : take_write_answers_locked(st, &done));
         pthread_mutex_unlock(&st->mu);
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         if (!more || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)

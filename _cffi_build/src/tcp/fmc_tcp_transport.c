@@ -213,9 +213,9 @@ static void tcp_cancel_tasks(fmc_batch *b, int first, int count)
     }
 }
 
-static void tcp_caller_receive(void *caller_rx, fmc_batch *b, int64_t until_us)
+static void tcp_caller_receive(void *caller_rx, fmc_batch *b, int64_t until_us, int64_t wait_until_ms)
 {
-    fmc_stream_caller_receive(caller_rx, b, until_us);
+    fmc_stream_caller_receive(caller_rx, b, until_us, wait_until_ms);
 }
 
 const fmc_transport_ops fmc_tcp_ops = {
