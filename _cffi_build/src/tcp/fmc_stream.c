@@ -1238,6 +1238,11 @@ static void move_to_receiving_locked(fmc_stream *st, fmc_slice *first, fmc_slice
     st->receiving.tail = last;
 }
 
+/* A caller places a read's answer while the rest of it arrives only while at least this much is
+ * still to come: the last few KiB come within microseconds, sooner than a receive that sleeps
+ * for them wakes (a 4 KiB read's p50 rose by 0.4 us on the 2-core VM). */
+#define CALLER_WAITS_FOR_BYTES (32u << 10)
+
 /* A read answer into host memory at the head of `inflight`, taken by the caller that owns the
  * receive side the way the receive side takes it (rx_run).  Once its header is buffered the
  * caller places the payload as it arrives, overlapping the target's sending (on loopback a
@@ -1268,9 +1273,10 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t
     int queued = 0;
     if (ioctl(rd->fd, FIONREAD, &queued) < 0)
         return 0;
-    int wait = fmc_reader_buffered(rd) - FMC_RESP_SIZE + (size_t)queued < a.len;
-    if (wait && wait_until_ms < 0)
-        return 1; /* not all here yet */
+    uint64_t here = fmc_reader_buffered(rd) - FMC_RESP_SIZE + (size_t)queued;
+    int wait = here < a.len;
+    if (wait && (wait_until_ms < 0 || a.len - here < CALLER_WAITS_FOR_BYTES))
+        return 1; /* not all here yet, and not worth a wait in the receive */
     rd->start += FMC_RESP_SIZE;
     move_to_receiving_locked(st, s, last);
     pthread_mutex_unlock(&st->mu);
