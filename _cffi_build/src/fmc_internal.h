@@ -104,10 +104,10 @@ typedef struct {
 int fmc_reader_init(fmc_reader *r, int fd, size_t cap);
 void fmc_reader_free(fmc_reader *r);
 static inline size_t fmc_reader_buffered(const fmc_reader *r) { return r->end - r->start; }
-/* Make at least n (<= cap) bytes available; -1 on EOF/error. */
 /* Blocking reads of `r` give up at deadline_ms (a timeout, r->timed_out), through the socket's
  * receive timeout; 0 clears both. */
 void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms);
+/* Make at least n (<= cap) bytes available; -1 on EOF/error. */
 int fmc_reader_fill(fmc_reader *r, size_t n);
 /* Try to pull more bytes without blocking; returns 1 if any arrived, 0 if none, -1 on EOF/error. */
 int fmc_reader_try_more(fmc_reader *r);
