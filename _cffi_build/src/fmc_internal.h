@@ -98,9 +98,10 @@ typedef struct {
     int64_t deadline_ms; /* 0, or when its blocking reads give up (then timed_out is set):
                           * fmc_reader_set_deadline */
     int timed_out;
-    int timeout_set;     /* the socket's receive timeout was set for the deadline */
 } fmc_reader;
 
+/* A socket's SO_RCVTIMEO or SO_SNDTIMEO (`optname`), in milliseconds; 0: none. */
+void fmc_socket_timeout(int fd, int optname, int64_t ms);
 int fmc_reader_init(fmc_reader *r, int fd, size_t cap);
 void fmc_reader_free(fmc_reader *r);
 static inline size_t fmc_reader_buffered(const fmc_reader *r) { return r->end - r->start; }
@@ -183,7 +184,6 @@ void fmc_tcp_timers_early(int fd, const fmc_options *opts); /* before connect, o
 /* Both ends of a connected socket are on this host (a loopback peer, or our own address). */
 int fmc_socket_is_local(int fd);
 int fmc_tcp_connect_opts(const char *host, int port, int timeout_ms, const fmc_options *opts);
-void fmc_set_recv_timeout(int fd, int seconds); /* 0: none */
 
 /* ------------------------------------- authentication (tcp/fmc_auth.c, common/fmc_sha256.c) */
 #define FMC_SECRET_MAX 256

@@ -70,7 +70,7 @@ int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
     r->cap = cap;
     r->max_read = 0;
     r->deadline_ms = 0;
-    r->timed_out = r->timeout_set = 0;
+    r->timed_out = 0;
     r->start = r->end = 0;
     r->buf = malloc(cap);
     return r->buf ? 0 : FMC_ERR_MEMORY;
@@ -132,21 +132,16 @@ static int deadline_left(fmc_reader *r)
         r->timed_out = 1;
         return 0;
     }
-    struct timeval tv = {.tv_sec = (time_t)(left / 1000), .tv_usec = (suseconds_t)(left % 1000) * 1000};
-    setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    r->timeout_set = 1;
+    fmc_socket_timeout(r->fd, SO_RCVTIMEO, left);
     return 1;
 }
 
 void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms)
 {
+    if (!deadline_ms && r->deadline_ms) /* the receive timeout it set goes too */
+        fmc_socket_timeout(r->fd, SO_RCVTIMEO, 0);
     r->deadline_ms = deadline_ms;
     r->timed_out = 0;
-    if (!deadline_ms && r->timeout_set) {
-        struct timeval none = {0};
-        setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none);
-        r->timeout_set = 0;
-    }
 }
 
 int fmc_reader_fill(fmc_reader *r, size_t n)
@@ -416,6 +411,12 @@ int fmc_reader_skip(fmc_reader *r, size_t n)
 }
 
 /* ------------------------------------------------------------------ blocking I/O */
+
+void fmc_socket_timeout(int fd, int optname, int64_t ms)
+{
+    struct timeval tv = {.tv_sec = (time_t)(ms / 1000), .tv_usec = (suseconds_t)(ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, optname, &tv, sizeof tv);
+}
 
 /* Skip the n bytes a partial sendmsg (or vmsplice) took. */
 void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n)

@@ -63,7 +63,7 @@ void fmc_mc_serve(fmc_conn_state *cs, const fmc_conn_ops *ops)
         if (fmc_reader_fill(&cs->rd, FMC_MC_HDR_SIZE) < 0)
             break;
         if (first)
-            fmc_set_recv_timeout(cs->c->fd, 0);
+            fmc_socket_timeout(cs->c->fd, SO_RCVTIMEO, 0);
         first = 0;
         const uint8_t *p = cs->rd.buf + cs->rd.start;
         __atomic_store_n(&cs->c->last_active_ms, fmc_now_ms(), __ATOMIC_RELAXED);

@@ -4,7 +4,6 @@
 #define _GNU_SOURCE
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"
@@ -14,8 +13,7 @@
  * *caps: what the target answered it can do. */
 static int native_preamble(fmc_peer *p, int fd, int timeout_ms, uint32_t *caps)
 {
-    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    fmc_socket_timeout(fd, SO_RCVTIMEO, timeout_ms);
     fmc_secret secret;
     pthread_mutex_lock(&p->engine->mu);
     secret = p->engine->secret;
@@ -108,8 +106,7 @@ int fmc_open_data_connection(fmc_peer *p, int64_t deadline, uint64_t fenced, uin
         if (pr == FMC_ERR_TIMEOUT)
             pr = FMC_ERR_SOCKET;
     }
-    struct timeval zero = {0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof zero);
+    fmc_socket_timeout(fd, SO_RCVTIMEO, 0);
     if (slot) {
         pthread_mutex_lock(&slot->mu);
         slot->fd = -1;

@@ -29,9 +29,8 @@
 
 static void set_served_timeouts(int fd)
 {
-    struct timeval park = {.tv_usec = FMC_PARK_MS * 1000}, stall = {.tv_sec = FMC_STALL_MS / 1000};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &park, sizeof park);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &stall, sizeof stall);
+    fmc_socket_timeout(fd, SO_RCVTIMEO, FMC_PARK_MS);
+    fmc_socket_timeout(fd, SO_SNDTIMEO, FMC_STALL_MS);
 }
 
 /* Regions are pinned (refs, under the engine lock) while a request touches them; unregister waits
@@ -512,7 +511,7 @@ static void use_vectors(fmc_conn_state *cs, uint32_t caps)
  * of a Mooncake header.  Returns WIRE_NATIVE / WIRE_MOONCAKE, or -1 to drop the connection. */
 static int handshake(fmc_conn_state *cs)
 {
-    fmc_set_recv_timeout(cs->c->fd, FMC_PREAMBLE_TIMEOUT_MS / 1000);
+    fmc_socket_timeout(cs->c->fd, SO_RCVTIMEO, FMC_PREAMBLE_TIMEOUT_MS);
     if (fmc_reader_fill(&cs->rd, 8) < 0)
         return -1;
     if (memcmp(cs->rd.buf + cs->rd.start, FMC_MAGIC_HELLO, 8) != 0) {

@@ -11,16 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include "fmc_internal.h"
-
-void fmc_set_recv_timeout(int fd, int seconds)
-{
-    struct timeval tv = {.tv_sec = seconds};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-}
 
 /* Whether both ends of a connected socket are on this host: a loopback peer, or the peer's
  * address is our own (traffic to a local address goes through the loopback device too). */

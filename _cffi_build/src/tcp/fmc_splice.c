@@ -26,7 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -114,8 +113,7 @@ static void send_timeout(int fd, int64_t deadline_ms)
     int64_t left = deadline_ms < 0 ? 0 : deadline_ms - fmc_now_ms();
     if (deadline_ms >= 0 && left < 1)
         left = 1;
-    struct timeval tv = {.tv_sec = (time_t)(left / 1000), .tv_usec = (suseconds_t)(left % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    fmc_socket_timeout(fd, SO_SNDTIMEO, left);
 }
 
 /* A run of payloads through the pipe, as many per vmsplice as the pipe holds (the small

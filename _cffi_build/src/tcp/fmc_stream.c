@@ -330,14 +330,19 @@ void fmc_stream_kill(fmc_stream *st)
 
 /* Cut the stream to stop its slices of cancelled tasks (fmc_batch_cancel_tasks) or of a call past
  * its deadline: unlike a kill, the stream reconnects and sends the other slices it held again. */
-void fmc_stream_cut(fmc_stream *st)
+static void cut_locked(fmc_stream *st)
 {
-    pthread_mutex_lock(&st->mu);
     if (!st->dead) {
         __atomic_store_n(&st->restart, 1, __ATOMIC_RELEASE); /* before `dead`: the peer stays healthy */
         st->peer->engine->stat_streams_cut++;
         kill_locked(st);
     }
+}
+
+void fmc_stream_cut(fmc_stream *st)
+{
+    pthread_mutex_lock(&st->mu);
+    cut_locked(st);
     pthread_mutex_unlock(&st->mu);
 }
 
@@ -1302,11 +1307,10 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t
         for (fmc_slice *x = s; x; x = x->next)
             x->answer_status = late ? FMC_ERR_TIMEOUT : FMC_ERR_SOCKET;
         rd->start = rd->end; /* mid-answer: the receive side finds nothing to read, only the end */
-        if (late && !st->dead) { /* cut, as a send past its deadline is (fmc_stream_cut) */
-            __atomic_store_n(&st->restart, 1, __ATOMIC_RELEASE);
-            st->peer->engine->stat_streams_cut++;
-        }
-        kill_locked(st);
+        if (late && !st->dead)
+            cut_locked(st); /* as a send past its deadline is */
+        else
+            kill_locked(st);
         return 0;
     }
     st->zc_owed += (a.flags & FMC_RESP_ZC) != 0;
