@@ -338,6 +338,35 @@ def test_a_small_read_whose_answer_stalls_midway_times_out_on_time_and_the_strea
         target.close()
 
 
+def test_a_bulk_read_whose_answers_stall_midway_times_out_on_time_and_the_streams_heal(make_network):
+    """A synchronous read over several streams has its caller place one stream's share itself:
+    when the answers stop partway, the call still ends at its deadline with a timeout, and the
+    next reads over the same streams are byte-exact."""
+    timeout = 2.0
+    net = make_network(3)
+    initiator, proxy_host, target_host = net.hosts
+    target = target_host.node(regions=[64 * MIB])
+    src = initiator.node(regions=[64 * MIB], config={"transfer_timeout": timeout, "streams_per_peer": 4})
+    try:
+        port = rpc_port(target)
+        ports = [port, data_port(proxy_host, target_host.addr, port)]
+        via_proxy = f"{proxy_host.addr}:{port}"
+        with DelayProxy(proxy_host, proxy_host.addr, target_host.addr, ports, 0.0) as proxy:
+            for _ in range(2):  # the first call has the session connect its other streams
+                assert read_and_check(src, target, via_proxy, 0, 0, 8 * MIB)["rc"] == 0
+            proxy.hold_answers_after(2 * MIB)  # the streams' first answers begin, and stop partway
+            reply = read_and_check(src, target, via_proxy, 0, 0, 32 * MIB)
+            assert reply["rc"] == ETIMEOUT, reply
+            assert timeout - 0.2 <= reply["seconds"] <= timeout + 1.0, reply
+            proxy.hold_answers_after(None)
+            again = [read_and_check(src, target, via_proxy, i * MIB, i * 3 * MIB + 5, 8 * MIB) for i in range(3)]
+            assert all(r["rc"] == 0 for r in again), again
+        assert target.call("guards")["intact"]
+    finally:
+        src.close()
+        target.close()
+
+
 def test_link_cut_mid_transfer_is_an_error_within_the_timeout_and_heals(make_network):
     timeout = 3.0
     net = make_network(2)

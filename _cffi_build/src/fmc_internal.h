@@ -514,7 +514,8 @@ typedef struct fmc_stream {
      * while a synchronous caller reads its own answers (`caller_recv`) nobody watches.  After a
      * bulk batch it keeps watching EPOLLIN, so the next batch's answers wake it themselves and
      * senders need not re-watch the socket before their first byte leaves; small calls keep
-     * the quiet watch, so that their callers can claim their own answers.  The send side is
+     * the quiet watch, so that their callers can claim their own answers (a caller claiming a
+     * side that watches EPOLLIN quietens it first).  The send side is
      * armed (EPOLLOUT) while slices wait and no caller sends them itself, or while a round
      * waits for room in the socket. */
     fmc_reader rd;            /* answers read so far; used only by the receive side's owner */
@@ -526,6 +527,8 @@ typedef struct fmc_stream {
     int leaving;              /* the last side out is settling the slices the stream held */
     struct rx_ring *rx_gpu;   /* the receive side's GPU landing pipeline (made with the stream) */
     int caller_recv;          /* a caller owns the receive side */
+    int rx_lingering;         /* the receive side's worker waits on the socket alone (rx_wait): a
+                               * caller may still claim the side, which the worker then parks */
     int bulk;                 /* the last batch queued here moved more than FMC_SMALL_TRANSFER_BYTES */
     fmc_fence send_fence[FMC_STAGE_DEPTH]; /* GPU sources' staging pieces, owned by whoever holds sending_active */
     struct send_scratch *scratch; /* a send round's headers and iovecs, likewise (made once) */

@@ -906,10 +906,19 @@ int fmc_stream_enqueue_inline(fmc_stream *st, fmc_slice_list *list, int64_t dead
     int idle = !st->pending.head && !st->sending_active;
     fmc_batch *b = list->head ? list->head->batch : NULL;
     note_batch_size(st, list);
-    if (idle && claim_recv && st->rx_state == FMC_ROLE_ARMED && !(st->rx_events & EPOLLIN) && !st->inflight.head &&
-        !st->caller_recv && st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0) {
+    /* The receive side is free to claim when it is parked, or lingering on the socket with
+     * nothing in flight (its worker, woken by the caller's answers, then parks it: rx_wait). */
+    int rx_free = st->rx_state == FMC_ROLE_ARMED || (st->rx_state == FMC_ROLE_RUNNING && st->rx_lingering);
+    if (idle && claim_recv && rx_free && !st->inflight.head && !st->caller_recv &&
+        st->peer->proto == FMC_PROTO_NATIVE && fmc_reader_buffered(&st->rd) == 0) {
         *claimed = st->caller_recv = 1;
-        st->rx_state = FMC_ROLE_OFF; /* its quiet watch stays set: a worker it wakes finds nothing to take */
+        if (st->rx_state == FMC_ROLE_ARMED) {
+            if (st->rx_events & EPOLLIN) { /* parked after a bulk batch: quieten its watch first */
+                st->rx_events = EPOLLRDHUP;
+                watch_locked(st);
+            }
+            st->rx_state = FMC_ROLE_OFF; /* its quiet watch stays set: a worker it wakes finds nothing to take */
+        }
     }
     list_append(&st->pending, list);
     if (!idle) {
@@ -1270,7 +1279,8 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t
     fmc_slice *last = s;
     for (int j = 1; j < k && last; j++)
         last = last->next;
-    if (a.id != s->id || !last || a.len > FMC_SMALL_TRANSFER_BYTES + (uint64_t)k * 4)
+    /* A caller that must not block takes only what the socket can hold whole. */
+    if (a.id != s->id || !last || (wait_until_ms < 0 && a.len > FMC_SMALL_TRANSFER_BYTES + (uint64_t)k * 4))
         return 0;
     for (fmc_slice *x = s; x != last->next; x = x->next)
         if (x->local_dev >= 0)
@@ -1320,18 +1330,33 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t
     }
     st->receiving.head = st->receiving.tail = NULL;
     send_ack_if_due_locked(st);
-    return 1;
+    return st->inflight.head != NULL; /* else nothing is left to wait for here */
+}
+
+/* Sleep until fd has bytes to read, or until until_us. */
+static void wait_readable(int fd, int64_t until_us)
+{
+    int64_t left = until_us - fmc_now_us();
+    if (left <= 0)
+        return;
+    struct pollfd pf = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    struct timespec ts = {.tv_sec = left / 1000000, .tv_nsec = (left % 1000000) * 1000};
+    ppoll(&pf, 1, &ts, NULL);
 }
 
 /* The caller that claimed the receive side (fmc_stream_enqueue_inline) polls the socket for
  * its answers until batch `b` is finished or `until_us` passes, then hands the receive side
  * back.  On a 2-core machine this is what makes a small synchronous write cheap: only the
  * caller and the target's thread run, and no sleeping receiver needs waking; a small read into
- * host memory saves the same wake-up, and the hand-over of its answer. */
+ * host memory saves the same wake-up, and the hand-over of its answer.  The caller of a bulk
+ * read over several streams takes one stream's share this way (fmc_tcp_transport.c). */
 void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us, int64_t wait_until_ms)
 {
     int got = 0;
     int is_read = b->opcode == FMC_OP_READ;
+    /* A share of a bulk read comes over hundreds of microseconds: its caller sleeps until the
+     * next answer's first bytes, where a small call's caller spins. */
+    int sleeps = is_read && wait_until_ms >= 0 && b->bytes > FMC_SMALL_TRANSFER_BYTES;
     for (;;) {
         fmc_slice_list done = {0};
         pthread_mutex_lock(&st->mu);
@@ -1345,14 +1370,18 @@ void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us, i
         got = is_read && fmc_reader_buffered(&st->rd) >= FMC_RESP_SIZE ? 0 : fmc_reader_try_more(&st->rd);
         if (got < 0)
             break; /* EOF or error: the thread reads it again and fails the stream */
-        if (got == 0)
+        if (got == 0 && sleeps && fmc_reader_buffered(&st->rd) < FMC_RESP_SIZE)
+            wait_readable(st->rd.fd, until_us);
+        else if (got == 0)
             sched_yield();
     }
     pthread_mutex_lock(&st->mu);
     st->caller_recv = 0;
     if (st->rx_state == FMC_ROLE_OFF) { /* back to the receive side, on the watch it parked with */
         st->rx_state = FMC_ROLE_ARMED;
-        st->rx_events = EPOLLRDHUP | (st->inflight.head || st->bulk || st->dead || got < 0 ? EPOLLIN : 0);
+        /* Quiet once its answers are in, even after a bulk batch: the next such call claims it
+         * again without re-watching the socket. */
+        st->rx_events = EPOLLRDHUP | (st->inflight.head || st->dead || got < 0 ? EPOLLIN : 0);
         watch_locked(st);
         if (!st->inflight.head && !st->dead)
             went_idle_locked(st); /* a read's zero-copy answers are owed an acknowledgement */
@@ -1396,9 +1425,11 @@ static int rx_wait(fmc_stream *st)
              * set's event has rx_run look at it. */
             int fd = st->fd;
             went_idle_locked(st);
+            st->rx_lingering = 1;
             pthread_mutex_unlock(&st->mu);
             int ready = fmc_pool_linger(fd, STREAM_LINGER_MS);
             pthread_mutex_lock(&st->mu);
+            st->rx_lingering = 0;
             lingered = !ready || !st->inflight.head;
             continue;
         }

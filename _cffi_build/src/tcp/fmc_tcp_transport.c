@@ -152,6 +152,11 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
     for (int i = 0; host_dst && i < n; i++)
         host_dst = ldev[i] < 0;
     int claim = small && caller_rx && (opcode == FMC_OP_WRITE || host_dst) && fmc_spin_us(p->engine) > 0;
+    /* A synchronous read into host memory over several streams: the caller, which would only
+     * wait, receives the share of the first stream whose receive side it can claim, beside the
+     * receive sides of the others (one wake-up fewer, and one more core placing bytes). */
+    int claim_share = !small && used > 1 && caller_rx && opcode == FMC_OP_READ && host_dst && inline_deadline_ms >= 0 &&
+                      p->proto == FMC_PROTO_NATIVE && fmc_spin_us(p->engine) > 0;
     /* A synchronous write over several streams: the other streams' send sides start first, and
      * the caller, which would only wait, sends the last stream's share itself (one wake-up and
      * one hand-over fewer, and one more core sending). */
@@ -162,7 +167,8 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
         fmc_slice *head = per_stream[i].head;
         int claimed = 0, rc;
         if (send_here || i == caller_share)
-            rc = fmc_stream_enqueue_inline(&p->streams[i], &per_stream[i], inline_deadline_ms, claim, &claimed);
+            rc = fmc_stream_enqueue_inline(&p->streams[i], &per_stream[i], inline_deadline_ms,
+                                           claim || (claim_share && !*caller_rx), &claimed);
         else
             rc = fmc_stream_enqueue(&p->streams[i], &per_stream[i]);
         if (claimed)
