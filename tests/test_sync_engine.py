@@ -6,6 +6,7 @@ import hashlib
 import inspect
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -227,6 +228,32 @@ def test_small_sync_writes_from_many_threads_beside_big_reads(tcp_engine, node):
     assert results == [[0] * calls] * threads
     total = threads * calls * block
     assert node.call("digest", region=0, offset=0, length=total)["digest"] == buf.digest(0, total)
+
+
+def test_bulk_sync_reads_from_many_threads_each_get_their_own_bytes(tcp_engine, node):
+    """A bulk read's caller receives one stream's share itself; callers reading at once share
+    the streams (one may find another's answers ahead of its own), and each must get exactly
+    the bytes it asked for."""
+    eng, buf = tcp_engine
+    threads, rounds, span, block = 4, 12, 2 << 20, 64 << 10
+    digests = [node.call("fill", region=0, offset=t * span, length=span)["digest"] for t in range(threads)]
+
+    def reader(t):
+        local_base = (8 << 20) + t * span
+        blocks = list(range(0, span, block))
+        random.Random(t).shuffle(blocks)  # the blocks land at other offsets than they came from
+        for _ in range(rounds):
+            buf.fill(0, local_base, span)
+            local = [buf.addr + local_base + i * block for i in range(len(blocks))]
+            remote = [node.addr(0, t * span + o) for o in blocks]
+            rc = eng.batch_transfer_sync_read(node.session, local, remote, [block] * len(blocks))
+            assert rc == 0
+            got = b"".join(buf.read(local_base + blocks.index(o) * block, block) for o in range(0, span, block))
+            assert hashlib.sha256(got).hexdigest() == digests[t]
+        return t
+
+    with ThreadPoolExecutor(threads) as pool:
+        assert sorted(pool.map(reader, range(threads))) == list(range(threads))
 
 
 def test_small_sync_write_whose_answer_comes_late(tcp_engine, node):

@@ -1264,11 +1264,13 @@ static void move_to_receiving_locked(fmc_stream *st, fmc_slice *first, fmc_slice
  * (wait_until_ms >= 0): the receive then gives up at that deadline (the socket's receive
  * timeout, and the reader's deadline), and the stream is cut as a send past its deadline
  * is.  A caller that must not block takes the answer only once all of it is queued in the
- * socket (FIONREAD).  Called and returns with st->mu held (dropped while the payload is placed).
+ * socket (FIONREAD), and so does any caller an answer of another call (`mine` is its own
+ * batch): a wait for it would end at this caller's deadline, not that call's.  Called and
+ * returns with st->mu held (dropped while the payload is placed).
  * Returns 1 to keep polling, 0 to stop and leave what is left to the receive side (nothing in
  * flight, an answer not for a host read, one that matches no request, or a broken stream, which
  * is killed). */
-static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t wait_until_ms)
+static int take_read_answer_locked(fmc_stream *st, const fmc_batch *mine, fmc_slice_list *done, int64_t wait_until_ms)
 {
     fmc_reader *rd = &st->rd;
     fmc_slice *s;
@@ -1276,6 +1278,8 @@ static int take_read_answer_locked(fmc_stream *st, fmc_slice_list *done, int64_t
     int k, head = head_answer(st, FMC_OP_READ, &s, &a, &k);
     if (head <= 0)
         return head < 0;
+    if (s->batch != mine)
+        wait_until_ms = -1; /* another call's answer: never waited for past this caller's deadline */
     fmc_slice *last = s;
     for (int j = 1; j < k && last; j++)
         last = last->next;
@@ -1361,7 +1365,7 @@ void fmc_stream_caller_receive(fmc_stream *st, fmc_batch *b, int64_t until_us, i
         fmc_slice_list done = {0};
         pthread_mutex_lock(&st->mu);
         int more = !st->dead &&
-                   (is_read ? take_read_answer_locked(st, &done, wait_until_ms) : take_write_answers_locked(st, &done));
+                   (is_read ? take_read_answer_locked(st, b, &done, wait_until_ms) : take_write_answers_locked(st, &done));
         pthread_mutex_unlock(&st->mu);
         fmc_slices_finish(done.head, FMC_TASK_PENDING);
         if (!more || __atomic_load_n(&b->finished, __ATOMIC_ACQUIRE) || fmc_now_us() >= until_us)
