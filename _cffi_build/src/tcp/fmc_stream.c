@@ -1264,7 +1264,7 @@ static void move_to_receiving_locked(fmc_stream *st, fmc_slice *first, fmc_slice
  * (wait_until_ms >= 0): the receive then gives up at that deadline (the socket's receive
  * timeout, and the reader's deadline), and the stream is cut as a send past its deadline
  * is.  A caller that must not block takes the answer only once all of it is queued in the
- * socket (FIONREAD), and so does any caller an answer of another call (`mine` is its own
+ * socket (FIONREAD), and so does any caller for an answer of another call (`mine` is its own
  * batch): a wait for it would end at this caller's deadline, not that call's.  Called and
  * returns with st->mu held (dropped while the payload is placed).
  * Returns 1 to keep polling, 0 to stop and leave what is left to the receive side (nothing in
