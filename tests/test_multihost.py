@@ -308,63 +308,64 @@ def test_added_delay_through_a_proxy_is_slower_and_still_exact(make_network):
         target.close()
 
 
-def test_a_small_read_whose_answer_stalls_midway_times_out_on_time_and_the_stream_heals(make_network):
-    """A synchronous read's caller places a small answer itself as it arrives: when the answer
-    stops halfway, the call still ends at its deadline (not when the target's bytes come), the
-    stream is cut, and the next reads through it are byte-exact."""
-    timeout = 2.0
+Read = tuple[int, int, int]  # reader offset, owner offset, length
+
+
+def _stalled_read_ends_at_its_deadline(make_network, region: int, config: dict, warm: list[Read], hold: int,
+                                       stalled: Read, again: list[Read]) -> None:
+    """Through a proxy between initiator and target: ``warm`` reads, then the proxy passes only
+    ``hold`` more bytes of answers, so the ``stalled`` read stops midway; it must end with a
+    timeout at its deadline, and once the proxy passes everything the ``again`` reads over the
+    same streams are byte-exact."""
+    timeout = config["transfer_timeout"]
     net = make_network(3)
     initiator, proxy_host, target_host = net.hosts
-    target = target_host.node(regions=[16 * MIB])
-    # The caller polls 10 ms for its answers (spin_us), long enough for the proxy to pass the header.
-    src = initiator.node(regions=[16 * MIB],
-                         config={"transfer_timeout": timeout, "streams_per_peer": 1, "spin_us": 10000})
+    target = target_host.node(regions=[region])
+    src = initiator.node(regions=[region], config=config)
     try:
         port = rpc_port(target)
         ports = [port, data_port(proxy_host, target_host.addr, port)]
         via_proxy = f"{proxy_host.addr}:{port}"
         with DelayProxy(proxy_host, proxy_host.addr, target_host.addr, ports, 0.0) as proxy:
-            assert read_and_check(src, target, via_proxy, 0, 0, 256 << 10)["rc"] == 0  # stream up
-            proxy.hold_answers_after(100 << 10)  # the answer's header and part of its payload
-            reply = read_and_check(src, target, via_proxy, MIB, MIB, 256 << 10)
+            for read in warm:
+                assert read_and_check(src, target, via_proxy, *read)["rc"] == 0
+            proxy.hold_answers_after(hold)
+            reply = read_and_check(src, target, via_proxy, *stalled)
             assert reply["rc"] == ETIMEOUT, reply
             assert timeout - 0.2 <= reply["seconds"] <= timeout + 1.0, reply
             proxy.hold_answers_after(None)
-            again = [read_and_check(src, target, via_proxy, i * MIB, i * MIB + 3, 256 << 10) for i in range(2, 6)]
-            assert all(r["rc"] == 0 for r in again), again
+            replies = [read_and_check(src, target, via_proxy, *read) for read in again]
+            assert all(r["rc"] == 0 for r in replies), replies
         assert target.call("guards")["intact"]
     finally:
         src.close()
         target.close()
+
+
+def test_a_small_read_whose_answer_stalls_midway_times_out_on_time_and_the_stream_heals(make_network):
+    """A synchronous read's caller places a small answer itself as it arrives: when the answer
+    stops halfway, the call still ends at its deadline (not when the target's bytes come), the
+    stream is cut, and the next reads through it are byte-exact."""
+    # The caller polls 10 ms for its answers (spin_us), long enough for the proxy to pass the header.
+    config = {"transfer_timeout": 2.0, "streams_per_peer": 1, "spin_us": 10000}
+    _stalled_read_ends_at_its_deadline(
+        make_network, 16 * MIB, config,
+        warm=[(0, 0, 256 << 10)],  # the stream up
+        hold=100 << 10,  # the answer's header and part of its payload
+        stalled=(MIB, MIB, 256 << 10),
+        again=[(i * MIB, i * MIB + 3, 256 << 10) for i in range(2, 6)])
 
 
 def test_a_bulk_read_whose_answers_stall_midway_times_out_on_time_and_the_streams_heal(make_network):
     """A synchronous read over several streams has its caller place one stream's share itself:
     when the answers stop partway, the call still ends at its deadline with a timeout, and the
     next reads over the same streams are byte-exact."""
-    timeout = 2.0
-    net = make_network(3)
-    initiator, proxy_host, target_host = net.hosts
-    target = target_host.node(regions=[64 * MIB])
-    src = initiator.node(regions=[64 * MIB], config={"transfer_timeout": timeout, "streams_per_peer": 4})
-    try:
-        port = rpc_port(target)
-        ports = [port, data_port(proxy_host, target_host.addr, port)]
-        via_proxy = f"{proxy_host.addr}:{port}"
-        with DelayProxy(proxy_host, proxy_host.addr, target_host.addr, ports, 0.0) as proxy:
-            for _ in range(2):  # the first call has the session connect its other streams
-                assert read_and_check(src, target, via_proxy, 0, 0, 8 * MIB)["rc"] == 0
-            proxy.hold_answers_after(2 * MIB)  # the streams' first answers begin, and stop partway
-            reply = read_and_check(src, target, via_proxy, 0, 0, 32 * MIB)
-            assert reply["rc"] == ETIMEOUT, reply
-            assert timeout - 0.2 <= reply["seconds"] <= timeout + 1.0, reply
-            proxy.hold_answers_after(None)
-            again = [read_and_check(src, target, via_proxy, i * MIB, i * 3 * MIB + 5, 8 * MIB) for i in range(3)]
-            assert all(r["rc"] == 0 for r in again), again
-        assert target.call("guards")["intact"]
-    finally:
-        src.close()
-        target.close()
+    _stalled_read_ends_at_its_deadline(
+        make_network, 64 * MIB, {"transfer_timeout": 2.0, "streams_per_peer": 4},
+        warm=[(0, 0, 8 * MIB)] * 2,  # the first call has the session connect its other streams
+        hold=2 * MIB,  # the streams' first answers begin, and stop partway
+        stalled=(0, 0, 32 * MIB),
+        again=[(i * MIB, i * 3 * MIB + 5, 8 * MIB) for i in range(3)])
 
 
 def test_link_cut_mid_transfer_is_an_error_within_the_timeout_and_heals(make_network):
