@@ -130,13 +130,14 @@ int fmc_peer_find_region(fmc_peer *peer, uint64_t addr, uint64_t len, uint64_t *
 int fmc_peer_set_protocol(fmc_peer *peer, int proto);
 /* The process's serve pool (inbound data connections of every engine): at most n threads
  * (0: twice the CPUs this process may use, at least 4); before the first engine takes a
- * connection.  fmc_serve_pool_counts: its threads now and its cap. */
+ * connection.  fmc_serve_pool_counts: its threads now, its cap, and how many times it called a
+ * lingering thread back to take waiting connections. */
 int fmc_serve_pool_set_threads(int n);
-void fmc_serve_pool_counts(int *workers, int *cap);
+void fmc_serve_pool_counts(int *workers, int *cap, uint64_t *recalls);
 /* The process's I/O pool (the send and receive sides of every engine's outbound streams): as
  * many threads not blocked on a stalled peer at most, the same default. */
 int fmc_io_pool_set_threads(int n);
-void fmc_io_pool_counts(int *workers, int *cap);
+void fmc_io_pool_counts(int *workers, int *cap, uint64_t *recalls);
 int fmc_peer_set_owner_pid(fmc_peer *peer, int pid);
 int fmc_peer_set_region_slots(fmc_peer *peer, const uint64_t *addrs, const int32_t *slots,
                               const uint32_t *gens, int n);

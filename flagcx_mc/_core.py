@@ -51,19 +51,21 @@ def _apply_process_settings() -> None:
     lib.fmc_io_pool_set_threads(settings.io_threads)
 
 
-def _pool_counts(counts: Any) -> tuple[int, int]:
-    workers, cap = ffi.new("int *"), ffi.new("int *")
-    counts(workers, cap)
-    return int(workers[0]), int(cap[0])
+def _pool_counts(counts: Any) -> tuple[int, int, int]:
+    workers, cap, recalls = ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *")
+    counts(workers, cap, recalls)
+    return int(workers[0]), int(cap[0]), int(recalls[0])
 
 
-def serve_pool() -> tuple[int, int]:
-    """(threads, cap) of the process's pool that serves inbound data connections."""
+def serve_pool() -> tuple[int, int, int]:
+    """(threads, cap, recalls) of the process's pool that serves inbound data connections:
+    recalls counts lingering threads called back to take connections waiting in its set."""
     return _pool_counts(lib.fmc_serve_pool_counts)
 
 
-def io_pool() -> tuple[int, int]:
-    """(threads, cap) of the process's pool that runs outbound streams' send and receive sides."""
+def io_pool() -> tuple[int, int, int]:
+    """(threads, cap, recalls) of the process's pool that runs outbound streams' send and
+    receive sides."""
     return _pool_counts(lib.fmc_io_pool_counts)
 
 
@@ -266,8 +268,8 @@ class CoreEngine:
         lib.fmc_engine_get_stats(self._ptr, s)
         out: dict = {name: int(getattr(s, name)) for name, _ in ffi.typeof("fmc_stats").fields}
         out["cuda_contexts"], out["cuda_context_uuids"] = cuda_contexts()
-        out["serve_threads"], out["serve_threads_cap"] = serve_pool()  # the process's, shared
-        out["io_threads"], out["io_threads_cap"] = io_pool()
+        out["serve_threads"], out["serve_threads_cap"], out["serve_recalls"] = serve_pool()  # the process's, shared
+        out["io_threads"], out["io_threads_cap"], out["io_recalls"] = io_pool()
         return out
 
     def drain_log(self) -> list[str]:

@@ -1167,7 +1167,10 @@ int fmc_serve_pool_set_threads(int n) { return fmc_pool_set_cap(&serve_pool, n);
 
 int fmc_serve_pool_start(void) { return fmc_pool_start(&serve_pool); }
 
-void fmc_serve_pool_counts(int *workers, int *cap) { fmc_pool_counts(&serve_pool, workers, cap); }
+void fmc_serve_pool_counts(int *workers, int *cap, uint64_t *recalls)
+{
+    fmc_pool_counts(&serve_pool, workers, cap, recalls);
+}
 
 /* Watch a connection for input, once (op: EPOLL_CTL_ADD for a new one, EPOLL_CTL_MOD after
  * serving).  The set exists: every engine made it (fmc_serve_pool_start) before it could

@@ -71,7 +71,7 @@ static fmc_io_handle *free_handles;
 
 int fmc_io_pool_set_threads(int n) { return fmc_pool_set_cap(&io_pool, n); }
 
-void fmc_io_pool_counts(int *workers, int *cap) { fmc_pool_counts(&io_pool, workers, cap); }
+void fmc_io_pool_counts(int *workers, int *cap, uint64_t *recalls) { fmc_pool_counts(&io_pool, workers, cap, recalls); }
 
 void fmc_io_pool_run_soon(fmc_pool_timer *t)
 {
@@ -860,16 +860,19 @@ static void tx_run(fmc_stream *st)
             lingered = 0;
             continue;
         }
-        if (!lingered && STREAM_LINGER_MS > 0 && fmc_pool_linger_begin()) {
-            /* Wait here for the next round (or an inline round's rest): tx_kick_locked wakes it.
-             * Work that came as the wait timed out is still seen above. */
+        fmc_pool_lingerer linger = {.mu = &st->mu, .cv = &st->cv};
+        if (!lingered && STREAM_LINGER_MS > 0 && fmc_pool_linger_begin(&linger)) {
+            /* Wait here for the next round (or an inline round's rest): tx_kick_locked wakes it,
+             * and so does the pool calling the worker back.  Work that came as the wait ended
+             * is still seen above. */
             struct timespec until;
             fmc_deadline_ts(STREAM_LINGER_MS, &until);
             st->tx_lingering = 1;
-            while (!st->dead && !st->handoff && !round_due(st) && !lingered)
+            while (!st->dead && !st->handoff && !round_due(st) && !lingered && !linger.recalled)
                 lingered = pthread_cond_timedwait(&st->cv, &st->mu, &until) == ETIMEDOUT;
             st->tx_lingering = 0;
-            fmc_pool_linger_end();
+            fmc_pool_linger_end(&linger);
+            lingered |= linger.recalled;
             continue;
         }
         st->tx_state = FMC_ROLE_OFF; /* an inline round in progress kicks it again at its end */

@@ -6,10 +6,13 @@
  * so the pool grows while all its workers are busy: a worker that takes an event while no other
  * waits starts one more, up to the cap, and workers beyond the core count end after
  * FMC_POOL_IDLE_MS without work.  A worker about to wait for long (fmc_pool_blocking_begin)
- * stops counting against the cap, so a stalled peer costs one thread, never the others' turn. */
+ * stops counting against the cap, so a stalled peer costs one thread, never the others' turn.
+ * A worker lingering with its owner (fmc_pool_linger_begin) does count, and is called back to
+ * the set when the set has events nobody is left to take. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +27,7 @@
 #define FMC_POOL_STACK (512u << 10)
 
 static __thread fmc_worker_pool *my_pool; /* the pool this thread works for, if any */
+static __thread int my_recall_fd = -1;    /* eventfd that calls this worker back from poll */
 
 int fmc_pool_default_cap(void)
 {
@@ -90,6 +94,53 @@ static void grow_if_starved(fmc_worker_pool *pool)
     pthread_mutex_lock(&pool->mu);
     grow_if_starved_locked(pool);
     pthread_mutex_unlock(&pool->mu);
+}
+
+/* Call one lingering worker back to the set (see fmc_pool_linger_begin).  The record is taken
+ * out of its slot first, so that its worker's linger_end knows to wait for the recall to finish
+ * with it; after `released` is set the record is not touched again. */
+static void recall_one(fmc_worker_pool *pool)
+{
+    for (int i = 0; i < pool->linger_max; i++) {
+        fmc_pool_lingerer *l = __atomic_load_n(&pool->lingerers[i], __ATOMIC_ACQUIRE);
+        if (!l || !__atomic_compare_exchange_n(&pool->lingerers[i], &l, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        __atomic_add_fetch(&pool->recalls, 1, __ATOMIC_RELAXED);
+        if (l->cv) {
+            pthread_mutex_lock(l->mu);
+            l->recalled = 1;
+            l->released = 1;
+            pthread_cond_broadcast(l->cv);
+            pthread_mutex_unlock(l->mu);
+        } else {
+            uint64_t one = 1;
+            __atomic_store_n(&l->recalled, 1, __ATOMIC_RELEASE);
+            if (write(l->recall_fd, &one, sizeof one) < 0) {
+                /* EAGAIN: the counter cannot overflow from one write a linger */
+            }
+            __atomic_store_n(&l->released, 1, __ATOMIC_RELEASE);
+        }
+        return;
+    }
+}
+
+/* A worker just took an event: if it was the last watching the set and the pool can grow no more
+ * while some of its workers linger, one of those watches the set again as soon as events are
+ * ready there (the set is asked without waiting: a recall with nothing to take would only move
+ * a worker away from its owner). */
+static void keep_set_watched(fmc_worker_pool *pool)
+{
+    if (load(&pool->waiting) != 0)
+        return;
+    pthread_mutex_lock(&pool->mu);
+    int at_cap = load(&pool->workers) - load(&pool->blocked) >= pool->cap;
+    grow_if_starved_locked(pool);
+    pthread_mutex_unlock(&pool->mu);
+    if (at_cap && load(&pool->lingering) > 0) {
+        struct pollfd pf = {.fd = pool->epfd, .events = POLLIN};
+        if (poll(&pf, 1, 0) == 1)
+            recall_one(pool);
+    }
 }
 
 /* Timers due by now leave the list (caller holds mu); returns them linked, and sets *wait_ms to
@@ -170,13 +221,15 @@ static void *worker_main(void *arg)
             if (pool->workers > pool->core) {
                 add(&pool->workers, -1);
                 pthread_mutex_unlock(&pool->mu);
+                if (my_recall_fd >= 0)
+                    close(my_recall_fd);
                 return NULL;
             }
             pthread_mutex_unlock(&pool->mu);
             continue;
         }
         if (n == 1) {
-            grow_if_starved(pool); /* someone to take the next event */
+            keep_set_watched(pool); /* someone to take the next event */
             FMC_TR(FMC_TR_WAKE, ev.events, pool->name[0] == 's');
             pool->dispatch(ev.data.ptr, ev.events);
         }
@@ -194,7 +247,16 @@ int fmc_pool_start(fmc_worker_pool *pool)
     pool->core = pool->core_wanted > 0 ? pool->core_wanted : fmc_usable_cpus();
     if (pool->core > pool->cap)
         pool->core = pool->cap;
-    pool->linger_max = fmc_usable_cpus() - 1;
+    /* One fewer than the CPUs, and at least 7 where the cap allows: both sides of one peer's
+     * four streams (the fewest a peer gets) then linger between its calls while one worker
+     * watches the set, as threads of their own per stream would wait, also on small hosts. */
+    int cpus = fmc_usable_cpus();
+    pool->linger_max = cpus - 1 >= 7 ? cpus - 1 : pool->cap - 1 < 7 ? pool->cap - 1 : 7;
+    if (pool->linger_max > 0) {
+        pool->lingerers = calloc((size_t)pool->linger_max, sizeof *pool->lingerers);
+        if (!pool->lingerers)
+            pool->linger_max = 0;
+    }
     int epfd = epoll_create1(EPOLL_CLOEXEC);
     int wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = NULL};
@@ -242,31 +304,61 @@ void fmc_pool_blocking_end(void)
         add(&pool->blocked, -1);
 }
 
-int fmc_pool_linger_begin(void)
+int fmc_pool_linger_begin(fmc_pool_lingerer *l)
 {
     fmc_worker_pool *pool = my_pool;
     if (!pool)
         return 0;
-    if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > pool->linger_max || load(&pool->waiting) == 0) {
-        add(&pool->lingering, -1);
-        return 0;
+    if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > pool->linger_max || load(&pool->waiting) == 0)
+        goto refuse;
+    if (!l->cv && my_recall_fd < 0 && (my_recall_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
+        goto refuse;
+    l->recall_fd = my_recall_fd;
+    l->recalled = l->released = 0;
+    /* At most linger_max workers get this far at once, and a recall empties the slot it takes,
+     * so a free slot is there. */
+    for (int i = 0;; i = (i + 1) % pool->linger_max) {
+        fmc_pool_lingerer *none = NULL;
+        if (__atomic_compare_exchange_n(&pool->lingerers[i], &none, l, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            l->slot = i;
+            return 1;
+        }
     }
-    return 1;
+refuse:
+    add(&pool->lingering, -1);
+    return 0;
 }
 
-void fmc_pool_linger_end(void)
+void fmc_pool_linger_end(fmc_pool_lingerer *l)
 {
-    add(&my_pool->lingering, -1);
+    fmc_worker_pool *pool = my_pool;
+    fmc_pool_lingerer *me = l;
+    if (!__atomic_compare_exchange_n(&pool->lingerers[l->slot], &me, NULL, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        /* A recall took the record: wait until it is done with it. */
+        if (l->cv) {
+            while (!l->released)
+                pthread_cond_wait(l->cv, l->mu);
+        } else {
+            while (!__atomic_load_n(&l->released, __ATOMIC_ACQUIRE))
+                sched_yield();
+            uint64_t count;
+            if (read(l->recall_fd, &count, sizeof count) < 0) {
+                /* nothing to take: cannot happen after a recall's write */
+            }
+        }
+    }
+    add(&pool->lingering, -1);
 }
 
 int fmc_pool_linger(int fd, int ms)
 {
-    if (ms <= 0 || !fmc_pool_linger_begin())
+    fmc_pool_lingerer l = {0};
+    if (ms <= 0 || !fmc_pool_linger_begin(&l))
         return 0;
-    struct pollfd pf = {.fd = fd, .events = POLLIN | POLLRDHUP};
-    int n = poll(&pf, 1, ms);
-    fmc_pool_linger_end();
-    return n == 1;
+    struct pollfd pf[2] = {{.fd = fd, .events = POLLIN | POLLRDHUP}, {.fd = l.recall_fd, .events = POLLIN}};
+    int n = poll(pf, 2, ms);
+    fmc_pool_linger_end(&l);
+    return n > 0 && pf[0].revents && !l.recalled;
 }
 
 void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms)
@@ -302,8 +394,9 @@ void fmc_pool_timer_cancel(fmc_worker_pool *pool, fmc_pool_timer *t)
     pthread_mutex_unlock(&pool->mu);
 }
 
-void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap)
+void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap, uint64_t *recalls)
 {
+    *recalls = __atomic_load_n(&pool->recalls, __ATOMIC_RELAXED);
     pthread_mutex_lock(&pool->mu);
     *workers = load(&pool->workers);
     *cap = pool->cap > 0 ? pool->cap : fmc_pool_default_cap();

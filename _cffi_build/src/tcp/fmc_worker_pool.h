@@ -18,6 +18,20 @@ typedef struct fmc_pool_timer {
     int queued;
 } fmc_pool_timer;
 
+/* A worker lingering with its owner (fmc_pool_linger_begin), which the pool can call back when
+ * every other worker is busy or lingering, the cap allows no more, and events wait in the set.
+ * Two forms: a worker waiting on its owner's condition variable (mu and cv set; the owner's
+ * wait loop ends on `recalled`, read under mu) or one waiting in poll (mu and cv NULL; it also
+ * polls `recall_fd`, the worker's own eventfd, which a recall makes readable). */
+typedef struct fmc_pool_lingerer {
+    pthread_mutex_t *mu;
+    pthread_cond_t *cv;
+    int recall_fd;
+    int recalled; /* the pool wants the worker back in its set */
+    int released; /* the recall is done with this record (atomic, or under mu in the cv form) */
+    int slot;
+} fmc_pool_lingerer;
+
 typedef struct fmc_worker_pool {
     const char *name;
     /* Runs in a worker for each event of a watched fd (EPOLLONESHOT: re-watch to hear more). */
@@ -29,7 +43,9 @@ typedef struct fmc_worker_pool {
     int waiting;             /* in epoll_wait (atomic) */
     int blocked;             /* inside fmc_pool_blocking_begin/end, not counted against the cap (atomic) */
     int lingering;           /* between fmc_pool_linger_begin and _end (atomic) */
-    int linger_max;          /* at most this many linger: one fewer than the CPUs */
+    int linger_max;          /* at most this many linger (see fmc_pool_start) */
+    fmc_pool_lingerer **lingerers; /* linger_max slots: who lingers now, for a recall (atomic) */
+    uint64_t recalls;        /* lingering workers called back to the set so far (atomic) */
     int core;                /* kept however idle */
     int cap;                 /* workers not blocked, at most (0: from the CPUs) */
     int core_wanted;         /* 0: as many as CPUs */
@@ -59,16 +75,19 @@ void fmc_pool_blocking_end(void);
  * of its own would be woken.  Through the set it would cost more: epoll wakes a waiter for every
  * segment that arrives before a worker takes the event, and the next waiter after each worker
  * takes one, so many waiters on one set turn a burst over several streams into a chain of
- * wake-ups.  begin returns 1 if the worker may linger (then it must call end), 0 at once outside
- * the pool's workers. */
-int fmc_pool_linger_begin(void);
-void fmc_pool_linger_end(void);
+ * wake-ups.  Lingering workers count against the cap; when the last worker watching the set
+ * takes an event, the pool is at its cap and more events are ready, one lingering worker is
+ * called back (l->recalled) to watch the set.  begin returns 1 if the worker may linger (then it
+ * must call end, which waits out a recall under way), 0 at once outside the pool's workers.
+ * In the cv form both are called with l->mu held. */
+int fmc_pool_linger_begin(fmc_pool_lingerer *l);
+void fmc_pool_linger_end(fmc_pool_lingerer *l);
 /* Linger on one fd: 1 if it turned readable within `ms` (the caller serves it again at once), 0 if
- * the owner goes back to the set. */
+ * the owner goes back to the set (the time ran out, or the pool called the worker back). */
 int fmc_pool_linger(int fd, int ms);
 /* Queue a timer (a no-op if queued already) / take it out. */
 void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms);
 void fmc_pool_timer_cancel(fmc_worker_pool *pool, fmc_pool_timer *t);
-void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap);
+void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap, uint64_t *recalls);
 
 #endif
