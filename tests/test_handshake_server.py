@@ -5,7 +5,10 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,7 +26,7 @@ from flagcx_mc.errors import (
     PeerConnectionError,
     RemoteProtocolError,
 )
-from flagcx_mc.net.addresses import format_host_port, parse_host_port
+from flagcx_mc.net.addresses import format_host_port, numeric_stream_addrinfo, parse_host_port
 
 HOST = "127.0.0.1"
 # Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
@@ -394,6 +397,43 @@ def test_parse_host_port_rejects(text, default):
 def test_format_host_port_round_trips(host, port, expected):
     assert format_host_port(host, port) == expected
     assert parse_host_port(expected) == (host.strip("[]"), port)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.0.0.5", "::1", "fe80::1", "localhost", "fe80::1%lo"])
+def test_numeric_addresses_resolve_as_getaddrinfo_would_and_names_go_to_the_resolver(host):
+    """A numeric address gets the answer the resolver would give for a TCP connect; a name and a
+    scoped IPv6 address get None (the resolver's turn)."""
+    ours = numeric_stream_addrinfo(host, 4242)
+    if host in ("localhost", "fe80::1%lo"):
+        assert ours is None
+        return
+    theirs = socket.getaddrinfo(host, 4242, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    assert ours == [(f, t, p, "", a) for f, t, p, _, a in theirs]
+
+
+def test_opening_sessions_to_numeric_peers_starts_no_resolver_threads():
+    """An engine on uvloop that opens a session to a numeric peer moves verified bytes without
+    starting libuv's resolver thread pool (4 threads that would count against the process's
+    thread bound for nothing)."""
+    script = """
+import os
+from flagcx_mc import HostBuffer, TransferEngine
+a, b = TransferEngine(), TransferEngine()
+for e in (a, b):
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+src, dst = HostBuffer(1 << 20), HostBuffer(1 << 20)
+assert a.register_memory(src.addr, src.size) == 0 and b.register_memory(dst.addr, dst.size) == 0
+digest = src.fill_random()
+assert a.transfer_sync_write(f"127.0.0.1:{b.get_rpc_port()}", src.addr, dst.addr, src.size) == 0
+assert dst.digest() == digest
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(n == "libuv-worker" for n in names))
+"""
+    pytest.importorskip("uvloop")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "FLAGCX_MC_TRANSPORT": "tcp"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0", out.stdout
 
 
 @pytest.mark.parametrize(

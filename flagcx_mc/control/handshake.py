@@ -9,7 +9,9 @@ one connection is logged and contained there: the listener keeps serving the oth
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import random
 import socket
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,7 +29,7 @@ from ..errors import (
     PeerConnectionError,
     RemoteProtocolError,
 )
-from ..net.addresses import format_host_port
+from ..net.addresses import format_host_port, numeric_stream_addrinfo
 from ..net.listeners import BoundedServer, close_writer, peer_name
 from .codec import (
     DEFAULT_MAX_LENGTH,
@@ -245,8 +247,10 @@ async def request(
 
 async def _exchange(host: str, port: int, where: str, frame: bytes, limit: int) -> Message:
     loop = asyncio.get_running_loop()
+    infos = numeric_stream_addrinfo(host, port)
     try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if infos is None:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise DnsError(f"cannot resolve {where}: {exc}") from None
     sock = await _connect_any(infos, where)
@@ -277,6 +281,28 @@ async def _exchange(host: str, port: int, where: str, frame: bytes, limit: int) 
         await close_writer(writer)
 
 
+async def _sock_connect(loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any) -> None:
+    """Connect a non-blocking socket to a resolved address, waiting for it on the loop.  Not
+    ``loop.sock_connect``: uvloop's resolves the address again on libuv's thread pool, 4 threads
+    a process would start for nothing."""
+    err = sock.connect_ex(addr)
+    if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY):
+        writable: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not writable.done():
+                writable.set_result(None)
+
+        loop.add_writer(sock.fileno(), ready)
+        try:
+            await writable
+        finally:
+            loop.remove_writer(sock.fileno())
+        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
 async def _connect_any(infos: list[Any], where: str) -> socket.socket:
     """Try each resolved address in turn, like Mooncake's doConnect."""
     loop = asyncio.get_running_loop()
@@ -285,7 +311,7 @@ async def _connect_any(infos: list[Any], where: str) -> socket.socket:
         sock = socket.socket(family, stype, proto)
         try:
             sock.setblocking(False)
-            await loop.sock_connect(sock, addr)
+            await _sock_connect(loop, sock, addr)
             return sock
         except OSError as exc:
             sock.close()

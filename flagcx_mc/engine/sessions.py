@@ -50,6 +50,12 @@ class Session:
         self.peer.close()
 
 
+# Sessions whose data connections are made at once, each on a thread of the engine's executor:
+# an engine reaching hundreds of peers at once then holds a few threads for it, not one per peer
+# (a connect takes a round trip or two, so a few in parallel keep up with the handshakes).
+CONNECTS_AT_ONCE = 4
+
+
 class SessionCache:
     """Open sessions of one engine; lives on the engine's event loop."""
 
@@ -65,6 +71,7 @@ class SessionCache:
         self._reserved: dict[str, int] = {}  # streams of sessions being opened (see _new_peer)
         self._refreshing: dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
+        self._connecting = asyncio.Semaphore(CONNECTS_AT_ONCE)
 
     def open_sessions(self) -> list:
         """The sessions open now (a snapshot)."""
@@ -168,7 +175,8 @@ class SessionCache:
             peer.set_call_stats(self._metrics.core_counts(name))
             loop = asyncio.get_running_loop()
             timeout_ms = int(self._config.handshake_timeout * 1000)
-            await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+            async with self._connecting:
+                await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
         finally:
             self._reserved.pop(name, None)
         session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer, same_host=peer.same_host)

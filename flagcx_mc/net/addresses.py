@@ -8,10 +8,11 @@ directions live here.
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["parse_host_port", "format_host_port"]
+__all__ = ["parse_host_port", "format_host_port", "numeric_stream_addrinfo"]
 
 
 def _parse_port(text: str, source: str) -> int:
@@ -79,3 +80,18 @@ def format_host_port(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def numeric_stream_addrinfo(host: str, port: int) -> list[tuple] | None:
+    """``getaddrinfo``'s answer for a TCP connect to a numeric IPv4 or IPv6 address (no scope),
+    made here; None for a name.  The event loop's resolver runs on a thread pool (uvloop's
+    holds 4 threads once used), which numeric peers, the usual case, need not start."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 4:
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+    if "%" in host:
+        return None  # a scoped address: its zone needs the resolver
+    return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port, 0, 0))]

@@ -27,7 +27,9 @@
 #define FMC_POOL_STACK (512u << 10)
 
 static __thread fmc_worker_pool *my_pool; /* the pool this thread works for, if any */
-static __thread int my_recall_fd = -1;    /* eventfd that calls this worker back from poll */
+static __thread int my_recall_fd = -1;    /* eventfd that calls this worker back from poll; made
+                                           * with the worker and closed with it, so that a
+                                           * process's fds follow its threads */
 
 int fmc_pool_default_cap(void)
 {
@@ -174,6 +176,7 @@ static void *worker_main(void *arg)
 {
     fmc_worker_pool *pool = arg;
     my_pool = pool;
+    my_recall_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); /* -1: this worker lingers only on a cv */
     /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
      * process (EPIPE is enough); workers keep it blocked. */
     sigset_t pipe_signal;
@@ -311,7 +314,7 @@ int fmc_pool_linger_begin(fmc_pool_lingerer *l)
         return 0;
     if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > pool->linger_max || load(&pool->waiting) == 0)
         goto refuse;
-    if (!l->cv && my_recall_fd < 0 && (my_recall_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
+    if (!l->cv && my_recall_fd < 0)
         goto refuse;
     l->recall_fd = my_recall_fd;
     l->recalled = l->released = 0;
