@@ -178,3 +178,27 @@ async def test_a_batch_of_small_blocks_puts_every_stream_to_work(node, local_buf
             assert got == local_buf.digest(i * block, block), f"block {i}"
     assert after["vectors_served"] - before["vectors_served"] == vectors
     assert after["bytes_served_in"] - before["bytes_served_in"] == blocks * block
+
+
+async def test_a_read_of_thousands_of_small_blocks_travels_as_vectors_only(engine, node, local_buf):
+    """8192 blocks of 4 KiB read in one call: every stream's share holds far more entries than
+    one send round's vector tables (512), and a read adds no payload bytes to end a round, so
+    the rest must go in the next rounds as vectors too, not as a request per block (each then
+    too small to be answered zero-copy).  Every block lands from its scattered remote place."""
+    blocks, block = 8192, 4096
+    rng = random.Random(5)
+    order = list(range(blocks))
+    rng.shuffle(order)
+    local = [local_buf.addr + i * block for i in range(blocks)]
+    remote = [node.addr(0, order[i] * block) for i in range(blocks)]
+    local_buf.fill_random(0, blocks * block)
+    await engine.batch_transfer_sync_write(node.session, local, remote, [block] * blocks)
+    sent = [local_buf.digest(i * block, block) for i in range(0, blocks, 61)]
+    local_buf.fill(0, 0, blocks * block)
+    before = node.call("stats")
+    await engine.batch_transfer_sync_read(node.session, local, remote, [block] * blocks)
+    after = node.call("stats")
+    assert [local_buf.digest(i * block, block) for i in range(0, blocks, 61)] == sent
+    requests = after["requests_served"] - before["requests_served"]
+    vectors = after["vectors_served"] - before["vectors_served"]
+    assert requests == vectors and vectors <= blocks // 64, (requests, vectors)

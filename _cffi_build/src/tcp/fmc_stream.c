@@ -674,8 +674,12 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
     while (st->pending.head && niov + 2 <= FMC_IOV_MAX && (bytes < limit || niov == 0)) {
         fmc_slice *s = st->pending.head;
         int is_write = s->batch->opcode == FMC_OP_WRITE;
-        int k = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s) ? vector_length(st->peer, s, niov, nent, bytes, limit)
-                                                                     : 1;
+        int vec = niov + 3 <= FMC_IOV_MAX && vectorizable(st->peer, s);
+        int k = vec ? vector_length(st->peer, s, niov, nent, bytes, limit) : 1;
+        if (niov > 0 && (k == 0 || (vec && k == 1 && s->next && s->next->batch == s->batch &&
+                                    vectorizable(st->peer, s->next))))
+            break; /* this round's vector tables are full: the next round sends these slices as
+                    * vectors, not as a request each (reads add no payload bytes to end a round) */
         if (k >= 2) {
             /* One header, the table of k entries, then (writes) the k payloads. */
             uint8_t *table = sc->table[nent];
