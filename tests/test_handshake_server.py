@@ -411,7 +411,7 @@ def test_numeric_addresses_resolve_as_getaddrinfo_would_and_names_go_to_the_reso
     assert ours == [(f, t, p, "", a) for f, t, p, _, a in theirs]
 
 
-def test_opening_sessions_to_numeric_peers_starts_no_resolver_threads():
+def test_opening_sessions_to_numeric_peers_starts_no_resolver_threads(tmp_path):
     """An engine on uvloop that opens a session to a numeric peer moves verified bytes without
     starting libuv's resolver thread pool (4 threads that would count against the process's
     thread bound for nothing)."""
@@ -430,8 +430,9 @@ names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/
 print(sum(n == "libuv-worker" for n in names))
 """
     pytest.importorskip("uvloop")
+    # cwd elsewhere: the installed package, not the checkout's unbuilt sources
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "FLAGCX_MC_TRANSPORT": "tcp"})
+                         env={**os.environ, "FLAGCX_MC_TRANSPORT": "tcp"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "0", out.stdout
 

@@ -25,11 +25,9 @@
 
 #define FMC_POOL_IDLE_MS 2000
 #define FMC_POOL_STACK (512u << 10)
+#define LINGER_SLICE_MS 1 /* a worker lingering on a socket sees a recall within this */
 
 static __thread fmc_worker_pool *my_pool; /* the pool this thread works for, if any */
-static __thread int my_recall_fd = -1;    /* eventfd that calls this worker back from poll; made
-                                           * with the worker and closed with it, so that a
-                                           * process's fds follow its threads */
 
 int fmc_pool_default_cap(void)
 {
@@ -114,12 +112,8 @@ static void recall_one(fmc_worker_pool *pool)
             l->released = 1;
             pthread_cond_broadcast(l->cv);
             pthread_mutex_unlock(l->mu);
-        } else {
-            uint64_t one = 1;
+        } else { /* it polls in short slices and looks at `recalled` between them */
             __atomic_store_n(&l->recalled, 1, __ATOMIC_RELEASE);
-            if (write(l->recall_fd, &one, sizeof one) < 0) {
-                /* EAGAIN: the counter cannot overflow from one write a linger */
-            }
             __atomic_store_n(&l->released, 1, __ATOMIC_RELEASE);
         }
         return;
@@ -176,7 +170,6 @@ static void *worker_main(void *arg)
 {
     fmc_worker_pool *pool = arg;
     my_pool = pool;
-    my_recall_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); /* -1: this worker lingers only on a cv */
     /* splice() has no MSG_NOSIGNAL: a peer gone mid-send must not raise SIGPIPE in the host
      * process (EPIPE is enough); workers keep it blocked. */
     sigset_t pipe_signal;
@@ -224,8 +217,6 @@ static void *worker_main(void *arg)
             if (pool->workers > pool->core) {
                 add(&pool->workers, -1);
                 pthread_mutex_unlock(&pool->mu);
-                if (my_recall_fd >= 0)
-                    close(my_recall_fd);
                 return NULL;
             }
             pthread_mutex_unlock(&pool->mu);
@@ -314,9 +305,6 @@ int fmc_pool_linger_begin(fmc_pool_lingerer *l)
         return 0;
     if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > pool->linger_max || load(&pool->waiting) == 0)
         goto refuse;
-    if (!l->cv && my_recall_fd < 0)
-        goto refuse;
-    l->recall_fd = my_recall_fd;
     l->recalled = l->released = 0;
     /* At most linger_max workers get this far at once, and a recall empties the slot it takes,
      * so a free slot is there. */
@@ -344,10 +332,6 @@ void fmc_pool_linger_end(fmc_pool_lingerer *l)
         } else {
             while (!__atomic_load_n(&l->released, __ATOMIC_ACQUIRE))
                 sched_yield();
-            uint64_t count;
-            if (read(l->recall_fd, &count, sizeof count) < 0) {
-                /* nothing to take: cannot happen after a recall's write */
-            }
         }
     }
     add(&pool->lingering, -1);
@@ -358,10 +342,16 @@ int fmc_pool_linger(int fd, int ms)
     fmc_pool_lingerer l = {0};
     if (ms <= 0 || !fmc_pool_linger_begin(&l))
         return 0;
-    struct pollfd pf[2] = {{.fd = fd, .events = POLLIN | POLLRDHUP}, {.fd = l.recall_fd, .events = POLLIN}};
-    int n = poll(pf, 2, ms);
+    /* Slices of LINGER_SLICE_MS, so that a recall is seen within one without an fd to wake the
+     * poll (a helper fd per worker would make a process's fds move with its thread count). */
+    struct pollfd pf = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    int64_t until = fmc_now_ms() + ms;
+    int n = 0, left = ms;
+    while (!__atomic_load_n(&l.recalled, __ATOMIC_ACQUIRE) && left > 0 &&
+           (n = poll(&pf, 1, left < LINGER_SLICE_MS ? left : LINGER_SLICE_MS)) == 0)
+        left = (int)(until - fmc_now_ms());
     fmc_pool_linger_end(&l);
-    return n > 0 && pf[0].revents && !l.recalled;
+    return n > 0 && !l.recalled;
 }
 
 void fmc_pool_timer_add(fmc_worker_pool *pool, fmc_pool_timer *t, int64_t due_ms)

@@ -21,12 +21,11 @@ typedef struct fmc_pool_timer {
 /* A worker lingering with its owner (fmc_pool_linger_begin), which the pool can call back when
  * every other worker is busy or lingering, the cap allows no more, and events wait in the set.
  * Two forms: a worker waiting on its owner's condition variable (mu and cv set; the owner's
- * wait loop ends on `recalled`, read under mu) or one waiting in poll (mu and cv NULL; it also
- * polls `recall_fd`, the worker's own eventfd, which a recall makes readable). */
+ * wait loop ends on `recalled`, read under mu) or one waiting in poll (mu and cv NULL; it polls
+ * in slices of a millisecond and looks at `recalled` between them). */
 typedef struct fmc_pool_lingerer {
     pthread_mutex_t *mu;
     pthread_cond_t *cv;
-    int recall_fd;
     int recalled; /* the pool wants the worker back in its set */
     int released; /* the recall is done with this record (atomic, or under mu in the cv form) */
     int slot;
