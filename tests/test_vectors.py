@@ -180,6 +180,40 @@ async def test_a_batch_of_small_blocks_puts_every_stream_to_work(node, local_buf
     assert after["bytes_served_in"] - before["bytes_served_in"] == blocks * block
 
 
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("streams,block,slice_size", [(4, 4 << 20, 4 << 20), (8, 3 << 20, 8 << 20),
+                                                     (8, 5 << 20, 1 << 20), (4, 512 << 10, 1 << 20)])
+async def test_one_large_block_spreads_over_the_streams_like_small_blocks(node, local_buf, op, streams, block,
+                                                                          slice_size):
+    """A batch of one block is cut into the same per-stream shares as the same bytes in small
+    blocks (not into slice_size pieces, which left all but a few streams idle), each share one
+    request; every byte lands."""
+    spread = min(streams, len(os.sched_getaffinity(0)))
+    share = min(max(-(-block // spread), 256 << 10), slice_size)
+    async with AsyncTransferEngine(transfer_timeout=10.0, streams_per_peer=streams, slice_size=slice_size) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(local_buf.addr, local_buf.size)
+        local, remote = [local_buf.addr], [node.addr(0, 4096)]
+        await eng.batch_transfer_sync_write(node.session, local, remote, [block])  # connects the streams
+        peer = eng._state.require_sessions().peek(node.session).peer
+        deadline = time.monotonic() + 5
+        while peer.streams_ready < min(peer.streams, -(-block // (256 << 10))):
+            assert time.monotonic() < deadline, "the batch's streams were not connected"
+            await asyncio.sleep(0.02)
+        local_buf.fill_random(0, block)
+        want = local_buf.digest(0, block)
+        if op == "read":
+            await eng.batch_transfer_sync_write(node.session, local, remote, [block])
+            local_buf.fill(0, 0, block)
+        before = node.call("stats")
+        call = eng.batch_transfer_sync_write if op == "write" else eng.batch_transfer_sync_read
+        await call(node.session, local, remote, [block])
+        after = node.call("stats")
+    assert local_buf.digest(0, block) == want
+    assert node.call("digest", region=0, offset=4096, length=block)["digest"] == want
+    assert after["requests_served"] - before["requests_served"] == -(-block // share)
+
+
 async def test_a_read_of_thousands_of_small_blocks_travels_as_vectors_only(engine, node, local_buf):
     """8192 blocks of 4 KiB read in one call: every stream's share holds far more entries than
     one send round's vector tables (512), and a read adds no payload bytes to end a round, so
