@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import time
 
 import pytest
 
 from flagcx_mc import AsyncTransferEngine, HostBuffer, errors
 from flagcx_mc._testing.node import NodeProcess
+from flagcx_mc.control.codec import Message, MessageType
+from flagcx_mc.control.handshake import HandshakeServer
+from flagcx_mc.engine.sessions import CONNECTS_AT_ONCE, SLOW_CONNECT_S
+from flagcx_mc.metadata.descriptor import BufferDesc, NativeInfo, RegionDesc, SegmentDesc
 
 # Event-loop networking: these tests run on uvloop too (tests/conftest.py says why).
 pytestmark = pytest.mark.uvloop
@@ -113,3 +119,41 @@ async def test_a_stuck_handshake_does_not_delay_other_peers(fast_engine, frozen_
     with pytest.raises(errors.HandshakeTimeoutError):
         await stuck
     assert loop.time() - start < 2.0 + 0.5  # handshake_timeout bounds it
+
+
+async def test_peers_whose_data_ports_hang_do_not_hold_up_other_sessions(fast_engine, node):
+    """Sessions connect their data streams a few at a time (CONNECTS_AT_ONCE); peers whose
+    handshake answers but whose data port never does (accepted by the kernel, never read) must
+    not keep a healthy peer's first call waiting for their handshake_timeout."""
+    eng, buf = fast_engine
+    region = RegionDesc(0x7F00_0000_0000, 1 << 20, 7)
+    silent = [socket.create_server(("127.0.0.1", 0), backlog=8) for _ in range(CONNECTS_AT_ONCE)]
+    async with contextlib.AsyncExitStack() as stack:
+        for lsock in silent:
+            stack.callback(lsock.close)
+        names = []
+        for lsock in silent:
+            port = lsock.getsockname()[1]
+            desc = SegmentDesc(name=f"silent{port}", tcp_data_port=port,
+                               buffers=(BufferDesc("cpu:0", region.addr, region.length),),
+                               native=NativeInfo(1, port, (region,), "another-host", 4242))
+
+            async def metadata(message: Message, desc: SegmentDesc = desc) -> dict:
+                return desc.to_json_dict()
+
+            server = await stack.enter_async_context(HandshakeServer({MessageType.METADATA: metadata}))
+            await server.start("127.0.0.1", 0)
+            names.append(f"127.0.0.1:{server.port}")
+        stuck = [asyncio.ensure_future(eng.transfer_sync_write(name, buf.addr, region.addr, 64)) for name in names]
+        await asyncio.sleep(0.2)  # every one of them is connecting now
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        digest = buf.fill_random(0, 4096)
+        await eng.transfer_sync_write(node.session, buf.addr, node.addr(1), 4096)
+        waited = loop.time() - start
+        assert node.call("digest", region=1, offset=0, length=4096)["digest"] == digest
+        assert not any(s.done() for s in stuck)
+        assert waited < SLOW_CONNECT_S + 0.7, waited  # not the 2 s of handshake_timeout
+        for s in stuck:
+            with pytest.raises(errors.FlagcxMcError):
+                await s

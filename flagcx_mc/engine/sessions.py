@@ -54,6 +54,10 @@ class Session:
 # an engine reaching hundreds of peers at once then holds a few threads for it, not one per peer
 # (a connect takes a round trip or two, so a few in parallel keep up with the handshakes).
 CONNECTS_AT_ONCE = 4
+# A connect still going after this long gives its turn to the next session and goes on beside
+# it: a peer whose data port never answers holds one thread until handshake_timeout, not every
+# other session's first call as well.
+SLOW_CONNECT_S = 0.5
 
 
 class SessionCache:
@@ -173,10 +177,8 @@ class SessionCache:
         try:
             peer = self._new_peer(name, host, desc)
             peer.set_call_stats(self._metrics.core_counts(name))
-            loop = asyncio.get_running_loop()
             timeout_ms = int(self._config.handshake_timeout * 1000)
-            async with self._connecting:
-                await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+            await self._connect(peer, timeout_ms)
         finally:
             self._reserved.pop(name, None)
         session = Session(name=name, host=host, rpc_port=port, desc=desc, peer=peer, same_host=peer.same_host)
@@ -184,6 +186,26 @@ class SessionCache:
         log.debug("session %s open (%s): %d regions", name, "flagcx_mc" if desc.native else "Mooncake TCP",
                   len(desc.buffers))
         return session
+
+    async def _connect(self, peer: CorePeer, timeout_ms: int) -> None:
+        """Connect the peer's data streams on the executor, CONNECTS_AT_ONCE sessions at a time
+        (a slow one gives its turn away after SLOW_CONNECT_S)."""
+        loop = asyncio.get_running_loop()
+        await self._connecting.acquire()
+        held = True
+
+        def give_turn() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._connecting.release()
+
+        slow = loop.call_later(SLOW_CONNECT_S, give_turn)
+        try:
+            await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
+        finally:
+            slow.cancel()
+            give_turn()
 
     def _new_peer(self, name: str, host: str, desc: SegmentDesc) -> CorePeer:
         data_port = desc.native.data_port if desc.native else desc.tcp_data_port
