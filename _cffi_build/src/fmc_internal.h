@@ -485,6 +485,7 @@ struct fmc_batch {
     int finished;        /* 1 once outstanding hit 0 */
     int cancelled;
     int counts_end;      /* its end counts in the engine's batches_ended (started for a poller) */
+    int local_gpu;       /* some task's local range is GPU memory (a synchronous caller polls longer) */
     uint64_t bytes;
     int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
     int32_t *task_remaining;

@@ -9,6 +9,8 @@
  *                    behind it is synchronised, or the stream is destroyed, and cuEventQuery says
  *                    "not ready" until then.  A caller that uses staging or destination bytes before
  *                    waiting for their copy sees stale bytes.
+ *   FAKE_CUDA_SYNC_SPIN_US=N  every stream or event synchronise takes at least N microseconds,
+ *                    busy (a device whose copies are slow, and a waiter that never sleeps)
  *   FAKE_CUDA_LOG    a file that gets one line per event: "retain <uuid>" (a primary context
  *                    retained), "pinned <uuid>" (pinned host memory made under that device's
  *                    context), "nocontext <call>" (a call that needs a current context had none),
@@ -31,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAXDEV 16
@@ -374,6 +377,19 @@ static int lazy(void)
     return v && *v == '1';
 }
 
+static void slow_sync(void)
+{
+    const char *v = getenv("FAKE_CUDA_SYNC_SPIN_US");
+    long us = v ? atol(v) : 0;
+    if (us <= 0)
+        return;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    while ((t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000 < us);
+}
+
 int cuStreamCreate(void **stream, unsigned int flags)
 {
     (void)flags;
@@ -432,6 +448,7 @@ int cuStreamSynchronize(void *stream)
 {
     if (!need_ctx("cuStreamSynchronize"))
         return E_INVALID_CONTEXT;
+    slow_sync();
     run_until(stream, (size_t)-1);
     return OK;
 }
@@ -490,6 +507,7 @@ int cuEventQuery(void *ev)
 int cuEventSynchronize(void *ev)
 {
     fake_event *e = ev;
+    slow_sync();
     if (e->s)
         run_until(e->s, e->upto);
     return OK;

@@ -122,6 +122,9 @@ static int submit(fmc_peer *p, int opcode, int n, const uint64_t *local, const u
         req.ops = p->transports[t];
         rc = req.ops->submit(&req, out, caller_rx);
     }
+    if (rc == FMC_OK)
+        for (int i = 0; i < n && !(*out)->local_gpu; i++)
+            (*out)->local_gpu = ldev[i] >= 0;
     free(keys);
     free(ldev);
     if (rc == FMC_DECLINED) {
@@ -313,10 +316,17 @@ int fmc_transfer(fmc_peer *p, int opcode, int n, const uint64_t *local, const ui
     int rc = submit(p, opcode, n, local, remote, lens, &b, deadline_ms, &receiving, 0);
     if (rc != FMC_OK)
         return rc;
-    int spin = fmc_spin_us_after(b->peer->engine, b->bytes);
+    /* A batch staged through GPU memory here takes a copy at each end besides its round trip
+     * (a 4 KiB read from GPU memory on the H100 host: 37 us, past a 30 us poll, whose caller
+     * then slept and took 56 us): its caller polls twice as long. */
+    int spin = fmc_spin_us_after(b->peer->engine, b->bytes) * (b->local_gpu ? 2 : 1);
     if (receiving) {
-        /* Poll for the answers for the usual spin, plus the time the bytes take at 2 GB/s. */
-        int64_t until = start_us + spin + (int64_t)(b->bytes >> 11);
+        /* Poll for the answers for the usual spin, plus the time the bytes take at 2 GB/s, from
+         * when the requests are out: a GPU source is staged before it leaves (on the H100 host a
+         * 4 KiB write from GPU memory left 18 us into the call and was answered 25 us later, so
+         * a window counted from the call's start ran out first; the answer then woke a pool
+         * worker, which woke the caller, and the call took 58 us instead of 25). */
+        int64_t until = fmc_now_us() + spin + (int64_t)(b->bytes >> 11);
         if (timeout_ms >= 0 && until > start_us + timeout_ms * 1000)
             until = start_us + timeout_ms * 1000;
         b->ops->caller_receive(receiving, b, until, deadline_ms);
