@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from support.servers import PACKAGE_PARENT
 
 UUID = "00112233445566778899aabbccddeef0"
 CALLS = 40
@@ -67,7 +68,7 @@ print(slept)
 def test_a_small_gpu_call_ends_in_its_polling_caller(fake_driver, op, sync_us):
     env = dict(os.environ, FLAGCX_MC_LIBCUDA=fake_driver, FAKE_CUDA_UUIDS=UUID, FAKE_CUDA_SYNC_SPIN_US=str(sync_us))
     done = subprocess.run([sys.executable, "-c", CHILD, str(CALLS), op], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=PACKAGE_PARENT)  # the installed flagcx_mc, as the tests import it
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     slept = int(done.stdout.split()[-1])
     # Polling, the caller sleeps only when a call takes longer than its window (a loaded
