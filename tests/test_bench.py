@@ -131,6 +131,8 @@ def test_tiny_sweep_verifies_every_row_and_writes_json(tmp_path):
     limits = {b["name"] for b in data["baselines"]}
     assert "raw socket" in limits and all(b["gbps"] > 0 for b in data["baselines"])
     assert {x["transport"] for x in data["latency"]} == ran
+    assert sorted((x["transport"], x["op"]) for x in data["latency"]) == sorted(
+        (name, op) for name in ran for op in ("write", "read"))  # writes and reads, each checked
     for x in data["latency"]:
         assert x["verified"] and x["n"] == 1000 and 0 < x["p50_us"] <= x["p99_us"]
     # One line per loopback target (a link's targets judge runs over a link only), each PASS, MISS
@@ -162,8 +164,8 @@ def test_no_mooncake_is_reported_and_progress_goes_to_stderr(tmp_path):
     assert data["transports"]["mooncake-tcp"] == {**data["transports"]["mooncake-tcp"], "available": False,
                                                   "reason": "skipped (--no-mooncake)"}
     assert [r["transport"] for r in data["rows"]] == ["tcp"]
-    # Steps: the raw socket and socket calls limits, the row, the latency test.
-    assert "[  3/4]" in proc.stderr and "tcp            write  64 KiB x2" in proc.stderr
+    # Steps: the raw socket and socket calls limits, the row, the latency test's writes and reads.
+    assert "[  3/5]" in proc.stderr and "tcp            write  64 KiB x2" in proc.stderr
     statuses = {t["name"]: t["status"] for t in data["targets"]}
     assert statuses["native TCP >= 2x Mooncake at every block size"] == "N/A"
 

@@ -54,7 +54,8 @@ def _add_bench_parser(sub) -> None:
                        help="comma list of " + ", ".join(t.name for t in TRANSPORTS) + " (default all)")
     bench.add_argument("--repeat", type=int, help="timed batches per trial (default: enough for 256 MiB, at most 1000)")
     bench.add_argument("--trials", type=int, help="timed trials per measurement, the fastest reported (default 5)")
-    bench.add_argument("--latency-n", type=int, help="4 KiB sync writes in the latency test (default 2000)")
+    bench.add_argument("--latency-n", type=int,
+                       help="4 KiB sync writes, and as many reads, in the latency test (default 2000)")
     bench.add_argument("--steal-retries", type=int, metavar="N",
                        help="measure a shape again, up to N times, when hypervisor steal took 10%% or more of "
                             "the CPU time during it; the calmest pass is kept (default 2, 0: never)")

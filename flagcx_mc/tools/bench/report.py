@@ -122,10 +122,11 @@ def print_report(result: dict, out: IO[str] | None = None) -> None:
             print(f"{b['name']:<14} {b.get('op', ''):<6} {fmt_size(b['block']):>7} {b['count']:>5} {b['gbps']:>7.2f}",
                   file=out)
     if result["latency"]:
-        print(f"\n{'4 KiB sync write':<16} {'n':>5} {'p50 us':>8} {'p99 us':>8} {'mean us':>8}  verified", file=out)
+        print(f"\n{'4 KiB sync call':<16} {'op':<6} {'n':>5} {'p50 us':>8} {'p99 us':>8} {'mean us':>8}  verified",
+              file=out)
         for x in result["latency"]:
-            print(f"{x['transport']:<16} {x['n'] or 0:>5} {x['p50_us'] or 0:>8.1f} {x['p99_us'] or 0:>8.1f} "
-                  f"{x['mean_us'] or 0:>8.1f}  {'yes' if x['verified'] else 'NO'}", file=out)
+            print(f"{x['transport']:<16} {x.get('op', 'write'):<6} {x['n'] or 0:>5} {x['p50_us'] or 0:>8.1f} "
+                  f"{x['p99_us'] or 0:>8.1f} {x['mean_us'] or 0:>8.1f}  {'yes' if x['verified'] else 'NO'}", file=out)
     print(file=out)
     for name, info in result["transports"].items():
         if not info["available"]:

@@ -418,14 +418,21 @@ def _finish_row(t: Transport, op: str, block: int, count: int, expect: str, runs
     }
 
 
-def _measure_latency(t: Transport, n: int, target, initiator) -> dict:
+def _measure_latency(t: Transport, n: int, target, initiator, op: str) -> dict:
+    """``n`` synchronous calls of 4 KiB, one at a time, each timed; the bytes checked after."""
     size = 4 * KiB
-    expect = initiator.call("fill", offset=0, length=size)["digest"]
-    target.call("set", region=0, byte=0, offset=0, length=size)
+    if op == "write":
+        expect = initiator.call("fill", offset=0, length=size)["digest"]
+        target.call("set", region=0, byte=0, offset=0, length=size)
+    else:
+        expect = target.call("fill", region=0, offset=0, length=size)["digest"]
+        initiator.call("set", byte=0, offset=0, length=size)
     r = initiator.call("latency", timeout=60.0 + n * 0.01, target=target.session, remote=target.addr(0), size=size,
-                       n=n)
-    verified = r["rc"] == 0 and target.call("digest", region=0, offset=0, length=size)["digest"] == expect
-    out = {"transport": t.name, "engine": t.engine, "size": size, "verified": verified,
+                       n=n, op=op)
+    landed = (target.call("digest", region=0, offset=0, length=size) if op == "write"
+              else initiator.call("digest", offset=0, length=size))["digest"]
+    verified = r["rc"] == 0 and landed == expect
+    out = {"transport": t.name, "engine": t.engine, "op": op, "size": size, "verified": verified,
            "error": None if verified else f"return code {r['rc']}" if r["rc"] else "content differs"}
     out.update({k: r.get(k) for k in ("n", "p50_us", "p99_us", "mean_us", "min_us", "max_us", "cpu_seconds")})
     return out
@@ -468,14 +475,15 @@ def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[
         for t in running:
             if t.name not in procs or opts.latency_n <= 0:  # --latency-n 0: no latency test
                 continue
-            try:
-                lat = _measure_latency(t, opts.latency_n, *procs[t.name])
-            except (EngineProcessError, OSError) as exc:
-                stop(t, exc)
-                continue
-            result["latency"].append(lat)
-            progress.step(f"{t.name:<14} latency 4 KiB sync write x{lat['n']}: p50 {lat['p50_us'] or 0:.1f} us, "
-                          f"p99 {lat['p99_us'] or 0:.1f} us  {'verified' if lat['verified'] else 'NOT VERIFIED'}")
+            for op in ("write", "read"):
+                try:
+                    lat = _measure_latency(t, opts.latency_n, *procs[t.name], op)
+                except (EngineProcessError, OSError) as exc:
+                    stop(t, exc)
+                    break
+                result["latency"].append(lat)
+                progress.step(f"{t.name:<14} latency 4 KiB sync {op} x{lat['n']}: p50 {lat['p50_us'] or 0:.1f} us, "
+                              f"p99 {lat['p99_us'] or 0:.1f} us  {'verified' if lat['verified'] else 'NOT VERIFIED'}")
     finally:
         for target, initiator in procs.values():
             initiator.close()
@@ -693,7 +701,7 @@ def run_bench(opts: BenchOptions) -> int:
     wanted = {limit_of[t.name] for t in running} | {x for t in running for x in bl.also_against(limit_of[t.name])}
     limits = [b for b in bl.BASELINES if b != "mooncake" and b in wanted]
     progress = _Progress(len(opts.ops) * (len(limits) * len(shapes) + sum(len(shapes_for(t, opts)) for t in running))
-                         + len(running))
+                         + 2 * len(running))  # the latency test: writes, then reads
     result.update(transports=transports, baselines=[], baselines_missing={}, rows=[], latency=[])
     with contextlib.ExitStack() as stack:
         log = None if opts.verbose else stack.enter_context(tempfile.TemporaryFile("w+"))

@@ -203,7 +203,8 @@ def _values(target: Target, result: dict) -> tuple[list[tuple[float, dict]], str
     if kind == "peers":
         return _peer_values(target, result)
     if kind == "p50_latency_ratio":
-        lat = {x["transport"]: x for x in result.get("latency", []) if x.get("verified")}
+        lat = {x["transport"]: x for x in result.get("latency", [])
+               if x.get("verified") and x.get("op", "write") == "write"}  # entries without "op" are writes
         if transport in lat and against in lat and lat[against].get("p50_us"):
             return [(lat[transport]["p50_us"] / lat[against]["p50_us"], {})], ""
         return [], _why_not(result, transport, against)

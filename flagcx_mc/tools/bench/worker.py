@@ -170,9 +170,9 @@ class _Worker(EngineServer):
                 break
         return {"rc": rc, "trials": results}
 
-    def latency(self, target: str, remote: int, size: int, n: int, warmup: int = 50) -> dict:
-        """``n`` single ``transfer_sync_write`` calls of ``size`` bytes, each timed on its own."""
-        fn = self.engine.transfer_sync_write
+    def latency(self, target: str, remote: int, size: int, n: int, warmup: int = 50, op: str = "write") -> dict:
+        """``n`` single ``transfer_sync_write`` (or ``_read``) calls of ``size`` bytes, each timed on its own."""
+        fn = self.engine.transfer_sync_write if op == "write" else self.engine.transfer_sync_read
         addr = self.regions[0].addr
         for _ in range(warmup):
             rc = fn(target, addr, remote, size)
