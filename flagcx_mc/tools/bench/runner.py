@@ -475,9 +475,10 @@ def _run_all(running: list[Transport], opts: BenchOptions, shapes, limits: list[
         for t in running:
             if t.name not in procs or opts.latency_n <= 0:  # --latency-n 0: no latency test
                 continue
+            target, initiator = procs[t.name]
             for op in ("write", "read"):
                 try:
-                    lat = _measure_latency(t, opts.latency_n, *procs[t.name], op)
+                    lat = _measure_latency(t, opts.latency_n, target, initiator, op)
                 except (EngineProcessError, OSError) as exc:
                     stop(t, exc)
                     break
