@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -121,29 +122,38 @@ async def test_a_stuck_handshake_does_not_delay_other_peers(fast_engine, frozen_
     assert loop.time() - start < 2.0 + 0.5  # handshake_timeout bounds it
 
 
+SILENT_REGION = RegionDesc(0x7F00_0000_0000, 1 << 20, 7)
+
+
+async def _peers_with_silent_data_ports(stack: contextlib.AsyncExitStack, count: int) -> list[str]:
+    """Peers whose handshake answers but whose data port never does (the kernel accepts, nobody
+    reads): their session names."""
+    names = []
+    for _ in range(count):
+        lsock = socket.create_server(("127.0.0.1", 0), backlog=8)
+        stack.callback(lsock.close)
+        port = lsock.getsockname()[1]
+        desc = SegmentDesc(name=f"silent{port}", tcp_data_port=port,
+                           buffers=(BufferDesc("cpu:0", SILENT_REGION.addr, SILENT_REGION.length),),
+                           native=NativeInfo(1, port, (SILENT_REGION,), "another-host", 4242))
+
+        async def metadata(message: Message, desc: SegmentDesc = desc) -> dict:
+            return desc.to_json_dict()
+
+        server = await stack.enter_async_context(HandshakeServer({MessageType.METADATA: metadata}))
+        await server.start("127.0.0.1", 0)
+        names.append(f"127.0.0.1:{server.port}")
+    return names
+
+
 async def test_peers_whose_data_ports_hang_do_not_hold_up_other_sessions(fast_engine, node):
     """Sessions connect their data streams a few at a time (CONNECTS_AT_ONCE); peers whose
-    handshake answers but whose data port never does (accepted by the kernel, never read) must
-    not keep a healthy peer's first call waiting for their handshake_timeout."""
+    data port never answers must not keep a healthy peer's first call waiting for their
+    handshake_timeout."""
     eng, buf = fast_engine
-    region = RegionDesc(0x7F00_0000_0000, 1 << 20, 7)
-    silent = [socket.create_server(("127.0.0.1", 0), backlog=8) for _ in range(CONNECTS_AT_ONCE)]
+    region = SILENT_REGION
     async with contextlib.AsyncExitStack() as stack:
-        for lsock in silent:
-            stack.callback(lsock.close)
-        names = []
-        for lsock in silent:
-            port = lsock.getsockname()[1]
-            desc = SegmentDesc(name=f"silent{port}", tcp_data_port=port,
-                               buffers=(BufferDesc("cpu:0", region.addr, region.length),),
-                               native=NativeInfo(1, port, (region,), "another-host", 4242))
-
-            async def metadata(message: Message, desc: SegmentDesc = desc) -> dict:
-                return desc.to_json_dict()
-
-            server = await stack.enter_async_context(HandshakeServer({MessageType.METADATA: metadata}))
-            await server.start("127.0.0.1", 0)
-            names.append(f"127.0.0.1:{server.port}")
+        names = await _peers_with_silent_data_ports(stack, CONNECTS_AT_ONCE)
         stuck = [asyncio.ensure_future(eng.transfer_sync_write(name, buf.addr, region.addr, 64)) for name in names]
         await asyncio.sleep(0.2)  # every one of them is connecting now
         loop = asyncio.get_running_loop()
@@ -157,3 +167,30 @@ async def test_peers_whose_data_ports_hang_do_not_hold_up_other_sessions(fast_en
         for s in stuck:
             with pytest.raises(errors.FlagcxMcError):
                 await s
+
+
+async def test_peers_hanging_by_the_dozen_take_a_bounded_share_of_the_wait_threads():
+    """Connects that gave their turn away run beside the turns, on the engine's wait executor;
+    at most a quarter of its threads go to them, so dozens of hanging peers cannot take the
+    threads that wait for completions.  Every such call still ends, with an error."""
+    buf = HostBuffer(1 << 20)
+    async with AsyncTransferEngine(transfer_timeout=TIMEOUT, handshake_timeout=1.5, wait_threads=16) as eng:
+        await eng.initialize("127.0.0.1")
+        await eng.register_memory(buf.addr, buf.size)
+        async with contextlib.AsyncExitStack() as stack:
+            names = await _peers_with_silent_data_ports(stack, 12)
+            stuck = [asyncio.ensure_future(eng.transfer_sync_write(name, buf.addr, SILENT_REGION.addr, 64))
+                     for name in names]
+            sessions = eng._state.require_sessions()
+            most_slow = most_threads = 0
+            for _ in range(30):  # 1.5 s: the first turns are slow, and their places are taken
+                await asyncio.sleep(0.05)
+                most_slow = max(most_slow, sessions.slow_connects)
+                waiting = sum(t.name.startswith("flagcx-mc-wait") for t in threading.enumerate())
+                most_threads = max(most_threads, waiting)
+            assert most_slow == 16 // 4  # as many as allowed, and no more
+            assert most_threads <= CONNECTS_AT_ONCE + 16 // 4 + 1, most_threads
+            for s in stuck:
+                with pytest.raises(errors.FlagcxMcError):
+                    await s
+    buf.close()

@@ -56,8 +56,11 @@ class Session:
 CONNECTS_AT_ONCE = 4
 # A connect still going after this long gives its turn to the next session and goes on beside
 # it: a peer whose data port never answers holds one thread until handshake_timeout, not every
-# other session's first call as well.
+# other session's first call as well.  At most a quarter of the wait executor's threads (and 16)
+# go to such slow connects, so that peers hanging by the dozen cannot take the threads that wait
+# for completions; past that, a slow connect keeps its turn.
 SLOW_CONNECT_S = 0.5
+SLOW_CONNECTS_MAX = 16
 
 
 class SessionCache:
@@ -76,6 +79,8 @@ class SessionCache:
         self._refreshing: dict[str, asyncio.Task] = {}
         self._fallbacks_logged: set = set()
         self._connecting = asyncio.Semaphore(CONNECTS_AT_ONCE)
+        self._slow_connects = 0  # connects that gave their turn away (SLOW_CONNECT_S)
+        self._slow_connects_max = min(SLOW_CONNECTS_MAX, config.wait_threads // 4)
 
     def open_sessions(self) -> list:
         """The sessions open now (a snapshot)."""
@@ -189,23 +194,32 @@ class SessionCache:
 
     async def _connect(self, peer: CorePeer, timeout_ms: int) -> None:
         """Connect the peer's data streams on the executor, CONNECTS_AT_ONCE sessions at a time
-        (a slow one gives its turn away after SLOW_CONNECT_S)."""
+        (a slow one gives its turn away after SLOW_CONNECT_S, while few others have)."""
         loop = asyncio.get_running_loop()
         await self._connecting.acquire()
-        held = True
+        turn, slow = True, False
 
         def give_turn() -> None:
-            nonlocal held
-            if held:
-                held = False
+            nonlocal turn, slow
+            if turn and self._slow_connects < self._slow_connects_max:
+                self._slow_connects += 1
+                turn, slow = False, True
                 self._connecting.release()
 
-        slow = loop.call_later(SLOW_CONNECT_S, give_turn)
+        timer = loop.call_later(SLOW_CONNECT_S, give_turn)
         try:
             await loop.run_in_executor(self._executor, peer.connect, timeout_ms)
         finally:
-            slow.cancel()
-            give_turn()
+            timer.cancel()
+            if turn:
+                self._connecting.release()
+            if slow:
+                self._slow_connects -= 1
+
+    @property
+    def slow_connects(self) -> int:
+        """Connects going on beside the CONNECTS_AT_ONCE turns (each on an executor thread)."""
+        return self._slow_connects
 
     def _new_peer(self, name: str, host: str, desc: SegmentDesc) -> CorePeer:
         data_port = desc.native.data_port if desc.native else desc.tcp_data_port
