@@ -79,21 +79,27 @@ static int spawn_locked(fmc_worker_pool *pool)
     return ok;
 }
 
-/* Nobody is left watching the set and the cap allows one more: start it. */
-static void grow_if_starved_locked(fmc_worker_pool *pool)
+/* Nobody is left watching the set and the cap allows one more: start it.  Returns 1 where
+ * nobody watches and the cap allows no more (caller holds mu). */
+static int grow_if_starved_locked(fmc_worker_pool *pool)
 {
-    if (load(&pool->waiting) == 0 && load(&pool->workers) - load(&pool->blocked) < pool->cap)
-        spawn_locked(pool);
+    if (load(&pool->waiting) != 0)
+        return 0;
+    if (load(&pool->workers) - load(&pool->blocked) >= pool->cap)
+        return 1;
+    spawn_locked(pool);
+    return 0;
 }
 
 /* The same, taking the lock only when nobody is left waiting. */
-static void grow_if_starved(fmc_worker_pool *pool)
+static int grow_if_starved(fmc_worker_pool *pool)
 {
     if (load(&pool->waiting) != 0)
-        return;
+        return 0;
     pthread_mutex_lock(&pool->mu);
-    grow_if_starved_locked(pool);
+    int at_cap = grow_if_starved_locked(pool);
     pthread_mutex_unlock(&pool->mu);
+    return at_cap;
 }
 
 /* Call one lingering worker back to the set (see fmc_pool_linger_begin).  The record is taken
@@ -126,13 +132,7 @@ static void recall_one(fmc_worker_pool *pool)
  * a worker away from its owner). */
 static void keep_set_watched(fmc_worker_pool *pool)
 {
-    if (load(&pool->waiting) != 0)
-        return;
-    pthread_mutex_lock(&pool->mu);
-    int at_cap = load(&pool->workers) - load(&pool->blocked) >= pool->cap;
-    grow_if_starved_locked(pool);
-    pthread_mutex_unlock(&pool->mu);
-    if (at_cap && load(&pool->lingering) > 0) {
+    if (grow_if_starved(pool) && load(&pool->lingering) > 0) {
         struct pollfd pf = {.fd = pool->epfd, .events = POLLIN};
         if (poll(&pf, 1, 0) == 1)
             recall_one(pool);
