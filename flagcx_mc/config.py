@@ -235,7 +235,8 @@ class ProcessSettings:
     inbound data connections, shared by every engine of the process) and
     ``FLAGCX_MC_IO_THREADS`` (the most threads that run the send and receive sides of every
     engine's outbound streams, not counting those waiting on a stalled peer).  For both, 0 or
-    unset: twice the CPUs the process may use, at least 4."""
+    unset: twice the CPUs the process may use, at least 4, and at least 8 while the process has at
+    most four connections on that side (one peer's streams)."""
 
     cuda_driver: str | None = None
     trace_file: str | None = None

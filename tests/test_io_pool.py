@@ -223,3 +223,54 @@ def test_the_pool_shrinks_back_to_its_core_after_a_burst_of_peers():
         buf.close()
         for p in peers:
             p.close()
+
+
+def _two_cpus() -> list[str]:
+    """A taskset prefix that gives a child process two of our CPUs: a small host's pool caps."""
+    return ["taskset", "-c", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2])]
+
+
+@pytest.mark.timeout(120)
+def test_a_small_hosts_pools_hold_a_worker_per_side_of_one_peer_and_shrink_for_more():
+    """On 2 CPUs (children pinned to two) the I/O pool's cap is 8 while the process has one
+    peer's four streams, and so is the serve pool's while it serves one initiator's four
+    connections, so each side of each stream can keep a worker between calls (with 2 x CPUs, 4,
+    they handed the streams on through the set on every call).  Once a process has more than that
+    its cap is 2 x CPUs again, and the workers over it leave at once, not after the 2 s that idle
+    ones take.  Every write is verified."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    small = _two_cpus()
+    targets = [NodeProcess(regions=[4 * MIB], config={"transport": "tcp"}, argv_prefix=small) for _ in range(3)]
+    writers = [NodeProcess(regions=[4 * MIB], config={"transport": "tcp", "streams_per_peer": 4}, argv_prefix=small)
+               for _ in range(2)]
+    try:
+        def write(w: NodeProcess, t: NodeProcess) -> None:
+            digest = w.call("fill", region=0)["digest"]
+            items = [[0, off, t.addr(0, off), 64 << 10] for off in range(0, 4 * MIB, 64 << 10)]
+            for _ in range(20):
+                assert w.call("transfer", op="write", target=t.session, items=items)["rc"] == 0
+            assert t.call("digest", region=0)["digest"] == digest
+
+        def shrinks_to_cap(p: NodeProcess, key: str) -> dict:
+            deadline = time.monotonic() + 1.2
+            while p.call("stats")[key] > 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return p.call("stats")
+
+        write(writers[0], targets[0])
+        one_peer, one_initiator = writers[0].call("stats"), targets[0].call("stats")
+        assert one_peer["io_threads_cap"] == 8, one_peer
+        assert one_initiator["serve_threads_cap"] == 8, one_initiator
+        write(writers[0], targets[1])
+        write(writers[0], targets[2])
+        write(writers[1], targets[0])
+        assert writers[0].call("stats")["io_threads_cap"] == 4
+        assert targets[0].call("stats")["serve_threads_cap"] == 4
+        stats = shrinks_to_cap(writers[0], "io_threads")
+        assert stats["io_threads"] <= 4, stats
+        stats = shrinks_to_cap(targets[0], "serve_threads")
+        assert stats["serve_threads"] <= 4, stats
+    finally:
+        for p in writers + targets:
+            p.close()

@@ -27,6 +27,8 @@
  * then the connection is dropped. */
 #define FMC_PARK_MS 50
 
+static void serve_pool_owner_gone(void);
+
 static void set_served_timeouts(int fd)
 {
     fmc_socket_timeout(fd, SO_RCVTIMEO, FMC_PARK_MS);
@@ -1117,6 +1119,7 @@ static void conn_finish(fmc_conn_state *cs)
     if (c->next)
         c->next->prev = c->prev;
     e->nconns--;
+    serve_pool_owner_gone();
     /* Closed under mu, once unlinked: nobody can shutdown() this fd number any more, and
      * fmc_engine_destroy returns only after every data socket is really closed. */
     if (c->fd >= 0)
@@ -1161,7 +1164,11 @@ static void start_mooncake_thread(fmc_conn_state *cs)
  * inside a request holds its worker until the socket's stall timeout drops it; a stalled write
  * payload is parked instead. */
 static void serve_event(void *cs, uint32_t events);
-static fmc_worker_pool serve_pool = FMC_WORKER_POOL_INIT("serve", serve_event, 0);
+/* Up to 8 workers while it serves the connections of one initiator's streams, as the I/O pool
+ * (fmc_stream.c): on 2 CPUs a worker of its own per connection moved 4 MiB writes 1.04x as fast
+ * as 4 workers that hand connections on through the set. */
+static fmc_worker_pool serve_pool = FMC_WORKER_POOL_INIT("serve", serve_event, 0, 8);
+static void serve_pool_owner_gone(void) { fmc_pool_owners_add(&serve_pool, -1); }
 
 int fmc_serve_pool_set_threads(int n) { return fmc_pool_set_cap(&serve_pool, n); }
 
@@ -1270,6 +1277,7 @@ static void start_conn(fmc_engine *e, int fd)
     e->conns = c;
     e->nconns++;
     pthread_mutex_unlock(&e->mu);
+    fmc_pool_owners_add(&serve_pool, 1); /* until conn_finish unlinks it */
     if (watch_conn(cs, fd, EPOLL_CTL_ADD) != FMC_OK) {
         fmc_engine_log(e, "refused a data connection: %s", fmc_last_error());
         shutdown(fd, SHUT_RDWR); /* the clean-up path without serving */

@@ -43,6 +43,7 @@ int fmc_pool_set_cap(fmc_worker_pool *pool, int n)
     }
     pthread_mutex_lock(&pool->mu);
     pool->cap = n;
+    pool->cap_fixed = n > 0;
     pthread_mutex_unlock(&pool->mu);
     return FMC_OK;
 }
@@ -63,6 +64,25 @@ static void wake_one_locked(fmc_worker_pool *pool)
  * workers woken at once would queue on it, each waking the next, tens of microseconds in all). */
 static int load(const int *v) { return __atomic_load_n(v, __ATOMIC_ACQUIRE); }
 static void add(int *v, int d) { __atomic_add_fetch(v, d, __ATOMIC_ACQ_REL); }
+
+void fmc_pool_owners_add(fmc_worker_pool *pool, int d) { add(&pool->owners, d); }
+
+/* The cap now (the pool started): cap_few while its user has few owners in the set. */
+static int cap_now(const fmc_worker_pool *pool)
+{
+    int few = !pool->cap_fixed && pool->cap_few > pool->cap && load(&pool->owners) <= FMC_POOL_FEW_OWNERS;
+    return few ? pool->cap_few : pool->cap;
+}
+
+/* How many may linger now: one fewer than the CPUs, and at least 7 where the cap allows (both
+ * sides of one peer's four streams, the fewest a peer gets, then linger between its calls while
+ * one worker watches the set, as threads of their own per stream would wait, also on small
+ * hosts).  At most linger_max, the slots made at start. */
+static int linger_limit(const fmc_worker_pool *pool)
+{
+    int n = pool->linger_cpus >= 7 ? pool->linger_cpus : cap_now(pool) - 1 < 7 ? cap_now(pool) - 1 : 7;
+    return n < pool->linger_max ? n : pool->linger_max;
+}
 
 /* Start one worker; caller holds pool->mu.  0 if the thread could not be made. */
 static int spawn_locked(fmc_worker_pool *pool)
@@ -85,7 +105,7 @@ static int grow_if_starved_locked(fmc_worker_pool *pool)
 {
     if (load(&pool->waiting) != 0)
         return 0;
-    if (load(&pool->workers) - load(&pool->blocked) >= pool->cap)
+    if (load(&pool->workers) - load(&pool->blocked) >= cap_now(pool))
         return 1;
     spawn_locked(pool);
     return 0;
@@ -191,6 +211,16 @@ static void *worker_main(void *arg)
             pthread_mutex_unlock(&pool->mu);
         }
         int extra = load(&pool->workers) > pool->core;
+        if (extra && load(&pool->workers) - load(&pool->blocked) > cap_now(pool)) {
+            /* Over the cap since its user's owners grew past few: leave instead of waiting. */
+            pthread_mutex_lock(&pool->mu);
+            if (load(&pool->workers) > pool->core && load(&pool->workers) - load(&pool->blocked) > cap_now(pool)) {
+                add(&pool->workers, -1);
+                pthread_mutex_unlock(&pool->mu);
+                return NULL;
+            }
+            pthread_mutex_unlock(&pool->mu);
+        }
         int wait = keeper ? timer_ms : extra ? FMC_POOL_IDLE_MS : -1;
         add(&pool->waiting, 1);
         struct epoll_event ev;
@@ -241,11 +271,10 @@ int fmc_pool_start(fmc_worker_pool *pool)
     pool->core = pool->core_wanted > 0 ? pool->core_wanted : fmc_usable_cpus();
     if (pool->core > pool->cap)
         pool->core = pool->cap;
-    /* One fewer than the CPUs, and at least 7 where the cap allows: both sides of one peer's
-     * four streams (the fewest a peer gets) then linger between its calls while one worker
-     * watches the set, as threads of their own per stream would wait, also on small hosts. */
-    int cpus = fmc_usable_cpus();
-    pool->linger_max = cpus - 1 >= 7 ? cpus - 1 : pool->cap - 1 < 7 ? pool->cap - 1 : 7;
+    /* Slots for as many as linger_limit allows at the larger cap. */
+    pool->linger_cpus = fmc_usable_cpus() - 1;
+    int cap_max = !pool->cap_fixed && pool->cap_few > pool->cap ? pool->cap_few : pool->cap;
+    pool->linger_max = pool->linger_cpus >= 7 ? pool->linger_cpus : cap_max - 1 < 7 ? cap_max - 1 : 7;
     if (pool->linger_max > 0) {
         pool->lingerers = calloc((size_t)pool->linger_max, sizeof *pool->lingerers);
         if (!pool->lingerers)
@@ -303,7 +332,7 @@ int fmc_pool_linger_begin(fmc_pool_lingerer *l)
     fmc_worker_pool *pool = my_pool;
     if (!pool)
         return 0;
-    if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > pool->linger_max || load(&pool->waiting) == 0)
+    if (__atomic_add_fetch(&pool->lingering, 1, __ATOMIC_ACQ_REL) > linger_limit(pool) || load(&pool->waiting) == 0)
         goto refuse;
     l->recalled = l->released = 0;
     /* At most linger_max workers get this far at once, and a recall empties the slot it takes,
@@ -392,6 +421,6 @@ void fmc_pool_counts(fmc_worker_pool *pool, int *workers, int *cap, uint64_t *re
     *recalls = __atomic_load_n(&pool->recalls, __ATOMIC_RELAXED);
     pthread_mutex_lock(&pool->mu);
     *workers = load(&pool->workers);
-    *cap = pool->cap > 0 ? pool->cap : fmc_pool_default_cap();
+    *cap = pool->epfd >= 0 ? cap_now(pool) : pool->cap > 0 ? pool->cap : fmc_pool_default_cap();
     pthread_mutex_unlock(&pool->mu);
 }

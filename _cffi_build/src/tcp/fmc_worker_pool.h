@@ -47,18 +47,30 @@ typedef struct fmc_worker_pool {
     uint64_t recalls;        /* lingering workers called back to the set so far (atomic) */
     int core;                /* kept however idle */
     int cap;                 /* workers not blocked, at most (0: from the CPUs) */
+    int cap_few;             /* the cap while at most FMC_POOL_FEW_OWNERS owners use the set, if larger */
+    int owners;              /* fds its user keeps in the set (atomic; counted by that user) */
+    int cap_fixed;           /* the cap was set (fmc_pool_set_cap): cap_few does not apply */
+    int linger_cpus;         /* CPUs - 1: how many may linger, at least (see linger_limit) */
     int core_wanted;         /* 0: as many as CPUs */
     int timekeeper;          /* a waiting worker sleeps until the first timer is due */
     fmc_pool_timer *timers;  /* sorted by due_ms (changed under mu; workers look without it first) */
 } fmc_worker_pool;
 
-#define FMC_WORKER_POOL_INIT(pool_name, fn, core_n)                                                              \
+#define FMC_WORKER_POOL_INIT(pool_name, fn, core_n, few_cap)                                                     \
     {.name = pool_name, .dispatch = fn, .mu = PTHREAD_MUTEX_INITIALIZER,                                         \
-     .epfd = -1, .wake_fd = -1, .core_wanted = core_n}
+     .epfd = -1, .wake_fd = -1, .core_wanted = core_n, .cap_few = few_cap}
+/* Owners (one socket each) a pool counts as few: the streams of one peer.  While its user has no
+ * more in the set, a pool with cap_few may hold that many workers even where twice the CPUs is
+ * fewer: both sides of each of one peer's streams then have a worker of their own, as a thread
+ * per side would.  Past it the cap is the CPUs' again, the bound that the threads of a process
+ * talking to many peers are held to. */
+#define FMC_POOL_FEW_OWNERS 4
 
 /* The cap by default: twice the CPUs this process may use, at least 4. */
 int fmc_pool_default_cap(void);
 int fmc_pool_set_cap(fmc_worker_pool *pool, int n);
+/* The pool's user has d more (or fewer) fds in the set (see cap_few). */
+void fmc_pool_owners_add(fmc_worker_pool *pool, int d);
 /* Make the set and the core workers (once; later calls return at once). */
 int fmc_pool_start(fmc_worker_pool *pool);
 /* Watch fd for `events` once (EPOLLONESHOT is added): op is EPOLL_CTL_ADD or EPOLL_CTL_MOD. */
