@@ -186,6 +186,21 @@ static void fire_timers(fmc_pool_timer *t)
     }
 }
 
+/* A worker beyond the core count, back from its work while the pool holds more than its cap
+ * (its user's owners grew past few, see cap_few): it leaves (1) instead of waiting in the set,
+ * before it could take on keeping time for the timers. */
+static int over_cap(fmc_worker_pool *pool)
+{
+    if (load(&pool->workers) <= pool->core || load(&pool->workers) - load(&pool->blocked) <= cap_now(pool))
+        return 0;
+    pthread_mutex_lock(&pool->mu);
+    int leave = load(&pool->workers) > pool->core && load(&pool->workers) - load(&pool->blocked) > cap_now(pool);
+    if (leave)
+        add(&pool->workers, -1);
+    pthread_mutex_unlock(&pool->mu);
+    return leave;
+}
+
 static void *worker_main(void *arg)
 {
     fmc_worker_pool *pool = arg;
@@ -197,6 +212,8 @@ static void *worker_main(void *arg)
     sigaddset(&pipe_signal, SIGPIPE);
     pthread_sigmask(SIG_BLOCK, &pipe_signal, NULL);
     for (;;) {
+        if (over_cap(pool))
+            return NULL;
         int timer_ms = -1, keeper = 0;
         if (__atomic_load_n(&pool->timers, __ATOMIC_ACQUIRE)) { /* timers: under the lock */
             pthread_mutex_lock(&pool->mu);
@@ -211,16 +228,6 @@ static void *worker_main(void *arg)
             pthread_mutex_unlock(&pool->mu);
         }
         int extra = load(&pool->workers) > pool->core;
-        if (extra && load(&pool->workers) - load(&pool->blocked) > cap_now(pool)) {
-            /* Over the cap since its user's owners grew past few: leave instead of waiting. */
-            pthread_mutex_lock(&pool->mu);
-            if (load(&pool->workers) > pool->core && load(&pool->workers) - load(&pool->blocked) > cap_now(pool)) {
-                add(&pool->workers, -1);
-                pthread_mutex_unlock(&pool->mu);
-                return NULL;
-            }
-            pthread_mutex_unlock(&pool->mu);
-        }
         int wait = keeper ? timer_ms : extra ? FMC_POOL_IDLE_MS : -1;
         add(&pool->waiting, 1);
         struct epoll_event ev;
