@@ -67,20 +67,31 @@ static void add(int *v, int d) { __atomic_add_fetch(v, d, __ATOMIC_ACQ_REL); }
 
 void fmc_pool_owners_add(fmc_worker_pool *pool, int d) { add(&pool->owners, d); }
 
-/* The cap now (the pool started): cap_few while its user has few owners in the set. */
-static int cap_now(const fmc_worker_pool *pool)
+/* The cap while few owners use the set: cap_few where it applies (not set by hand, and larger). */
+static int cap_when_few(const fmc_worker_pool *pool)
 {
-    int few = !pool->cap_fixed && pool->cap_few > pool->cap && load(&pool->owners) <= FMC_POOL_FEW_OWNERS;
-    return few ? pool->cap_few : pool->cap;
+    return !pool->cap_fixed && pool->cap_few > pool->cap ? pool->cap_few : pool->cap;
 }
 
-/* How many may linger now: one fewer than the CPUs, and at least 7 where the cap allows (both
- * sides of one peer's four streams, the fewest a peer gets, then linger between its calls while
- * one worker watches the set, as threads of their own per stream would wait, also on small
- * hosts).  At most linger_max, the slots made at start. */
+/* The cap now (the pool started). */
+static int cap_now(const fmc_worker_pool *pool)
+{
+    return load(&pool->owners) <= FMC_POOL_FEW_OWNERS ? cap_when_few(pool) : pool->cap;
+}
+
+/* How many may linger under `cap`: one fewer than the CPUs, and at least 7 where the cap allows
+ * (both sides of one peer's four streams, the fewest a peer gets, then linger between its calls
+ * while one worker watches the set, as threads of their own per stream would wait, also on
+ * small hosts). */
+static int lingerers_under(const fmc_worker_pool *pool, int cap)
+{
+    return pool->linger_cpus >= 7 ? pool->linger_cpus : cap - 1 < 7 ? cap - 1 : 7;
+}
+
+/* How many may linger now: at most linger_max, the slots made at start. */
 static int linger_limit(const fmc_worker_pool *pool)
 {
-    int n = pool->linger_cpus >= 7 ? pool->linger_cpus : cap_now(pool) - 1 < 7 ? cap_now(pool) - 1 : 7;
+    int n = lingerers_under(pool, cap_now(pool));
     return n < pool->linger_max ? n : pool->linger_max;
 }
 
@@ -189,12 +200,17 @@ static void fire_timers(fmc_pool_timer *t)
 /* A worker beyond the core count, back from its work while the pool holds more than its cap
  * (its user's owners grew past few, see cap_few): it leaves (1) instead of waiting in the set,
  * before it could take on keeping time for the timers. */
+static int beyond_cap(const fmc_worker_pool *pool)
+{
+    return load(&pool->workers) > pool->core && load(&pool->workers) - load(&pool->blocked) > cap_now(pool);
+}
+
 static int over_cap(fmc_worker_pool *pool)
 {
-    if (load(&pool->workers) <= pool->core || load(&pool->workers) - load(&pool->blocked) <= cap_now(pool))
+    if (!beyond_cap(pool))
         return 0;
     pthread_mutex_lock(&pool->mu);
-    int leave = load(&pool->workers) > pool->core && load(&pool->workers) - load(&pool->blocked) > cap_now(pool);
+    int leave = beyond_cap(pool); /* again under mu: another may have left meanwhile */
     if (leave)
         add(&pool->workers, -1);
     pthread_mutex_unlock(&pool->mu);
@@ -278,10 +294,9 @@ int fmc_pool_start(fmc_worker_pool *pool)
     pool->core = pool->core_wanted > 0 ? pool->core_wanted : fmc_usable_cpus();
     if (pool->core > pool->cap)
         pool->core = pool->cap;
-    /* Slots for as many as linger_limit allows at the larger cap. */
+    /* Slots for as many as may linger at the larger cap. */
     pool->linger_cpus = fmc_usable_cpus() - 1;
-    int cap_max = !pool->cap_fixed && pool->cap_few > pool->cap ? pool->cap_few : pool->cap;
-    pool->linger_max = pool->linger_cpus >= 7 ? pool->linger_cpus : cap_max - 1 < 7 ? cap_max - 1 : 7;
+    pool->linger_max = lingerers_under(pool, cap_when_few(pool));
     if (pool->linger_max > 0) {
         pool->lingerers = calloc((size_t)pool->linger_max, sizeof *pool->lingerers);
         if (!pool->lingerers)
