@@ -199,7 +199,8 @@ static void fire_timers(fmc_pool_timer *t)
 
 /* A worker beyond the core count, back from its work while the pool holds more than its cap
  * (its user's owners grew past few, see cap_few): it leaves (1) instead of waiting in the set,
- * before it could take on keeping time for the timers. */
+ * before it could take on keeping time for the timers.  A worker woken through wake_fd to keep
+ * time passes that wake-up on as it leaves, else the timers would wait for the next event. */
 static int beyond_cap(const fmc_worker_pool *pool)
 {
     return load(&pool->workers) > pool->core && load(&pool->workers) - load(&pool->blocked) > cap_now(pool);
@@ -211,8 +212,11 @@ static int over_cap(fmc_worker_pool *pool)
         return 0;
     pthread_mutex_lock(&pool->mu);
     int leave = beyond_cap(pool); /* again under mu: another may have left meanwhile */
-    if (leave)
+    if (leave) {
         add(&pool->workers, -1);
+        if (pool->timers && !pool->timekeeper)
+            wake_one_locked(pool);
+    }
     pthread_mutex_unlock(&pool->mu);
     return leave;
 }
