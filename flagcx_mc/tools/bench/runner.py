@@ -427,8 +427,9 @@ def _measure_latency(t: Transport, n: int, target, initiator, op: str) -> dict:
     else:
         expect = target.call("fill", region=0, offset=0, length=size)["digest"]
         initiator.call("set", byte=0, offset=0, length=size)
+    # `op` only for reads: a compared build from before reads were timed takes the writes' call.
     r = initiator.call("latency", timeout=60.0 + n * 0.01, target=target.session, remote=target.addr(0), size=size,
-                       n=n, op=op)
+                       n=n, **({"op": op} if op != "write" else {}))
     landed = (target.call("digest", region=0, offset=0, length=size) if op == "write"
               else initiator.call("digest", offset=0, length=size))["digest"]
     verified = r["rc"] == 0 and landed == expect
