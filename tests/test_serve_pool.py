@@ -132,3 +132,65 @@ def test_initiators_stalled_mid_payload_hold_no_thread_and_finish_when_they_go_o
             s.close()
         core.close()
         buf.close()
+
+
+_STOPS_READING = r"""
+import os, socket, struct, sys, time
+import orjson
+from flagcx_mc import HostBuffer
+from flagcx_mc._core import CoreEngine
+stalled, big, small = 8, 64 << 20, 4096
+core = CoreEngine("127.0.0.1")
+buf = HostBuffer(stalled * big + small)
+buf.fill(0)
+key = core.register(buf.addr, buf.size)
+hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
+socks = []
+for k in range(stalled):  # each asks for 64 MiB and never reads a byte of the answer
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    s.settimeout(20)
+    s.connect(("127.0.0.1", core.data_port))
+    s.sendall(hello + struct.pack("<BBHIQQQ", 2, 0, 0, key, 100 + k, buf.addr + k * big, big))
+    socks.append(s)
+time.sleep(0.5)  # every answer's send has filled its socket by now
+payload = os.urandom(small)
+out = {}
+with socket.create_connection(("127.0.0.1", core.data_port), timeout=20) as s:
+    start = time.monotonic()
+    s.sendall(hello + struct.pack("<BBHIQQQ", 1, 0, 0, key, 7, buf.addr + stalled * big, small) + payload)
+    out["preamble"] = s.recv(16)[:8].decode(errors="replace")
+    data = b""
+    while len(data) < 24 and (more := s.recv(24 - len(data))):
+        data += more
+    out["answer"] = list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
+    out["seconds"] = time.monotonic() - start
+out["landed"] = buf.read(stalled * big, small) == payload
+stats = core.stats()
+out["served"], out["cap"] = stats["requests_served"], stats["serve_threads_cap"]
+print(orjson.dumps(out).decode(), flush=True)
+os._exit(0)  # the stalled sockets and the engine go with the process
+"""
+
+
+@pytest.mark.timeout(90)
+def test_initiators_that_stop_reading_their_answers_hold_no_turn_of_the_others(tmp_path):
+    """In a target whose pool is capped at 2 threads (FLAGCX_MC_SERVE_THREADS=2), eight
+    connections each ask to read 64 MiB and never read the answer, so every answer's send blocks
+    in a worker.  A ninth connection's write is answered within a second all the same and its
+    bytes land: a blocked send costs its connection a thread, not the others their turn."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLAGCX_MC_SERVE_THREADS="2")
+    # Run outside the source tree: the installed package (with its compiled core) is imported.
+    out = subprocess.run([sys.executable, "-c", _STOPS_READING], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["cap"] == 2, result
+    assert result["preamble"] == "FMCNATOK" and result["answer"] == [7, 0, 0, 0], result
+    assert result["seconds"] < 1.0, result
+    assert result["landed"], result
+    assert result["served"] >= 9, result  # every stalled read was taken up

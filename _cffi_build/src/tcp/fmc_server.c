@@ -214,16 +214,29 @@ static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
     return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
-/* The queued answers, zero-copy payloads through this thread's pipe. */
+/* The queued answers, zero-copy payloads through this thread's pipe.  Answers the socket cannot
+ * take at once are sent outside the pool's count (fmc_pool_blocking_begin): an initiator that
+ * stops reading them holds this worker for up to FMC_STALL_MS (SO_SNDTIMEO), and a few such
+ * initiators must not hold every other connection's turn for that long.  Spliced answers are
+ * large reads, which fill the socket anyway, so they always go that way. */
 static int send_answers(fmc_conn_state *cs)
 {
     if (!cs->niov)
         return 0;
     int rc;
     if (!cs->nzc) {
-        rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
+        struct iovec *rest = cs->iov;
+        int left = cs->niov;
+        rc = fmc_sendv_nowait(cs->c->fd, &rest, &left);
+        if (rc == 0 && left > 0) {
+            fmc_pool_blocking_begin();
+            rc = fmc_sendv_all(cs->c->fd, rest, left);
+            fmc_pool_blocking_end();
+        }
     } else {
+        fmc_pool_blocking_begin();
         rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, -1);
+        fmc_pool_blocking_end();
         memset(cs->zc, 0, (size_t)cs->niov);
         cs->nzc = 0;
     }
