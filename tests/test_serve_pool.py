@@ -173,24 +173,69 @@ os._exit(0)  # the stalled sockets and the engine go with the process
 """
 
 
+def _child_result(script: str, tmp_path, threads: int) -> dict:
+    """Run ``script`` in a process whose serve pool is capped at ``threads`` (the cap is a
+    process setting, read at import) and return the JSON it prints."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLAGCX_MC_SERVE_THREADS=str(threads))
+    # Run outside the source tree: the installed package (with its compiled core) is imported.
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 @pytest.mark.timeout(90)
 def test_initiators_that_stop_reading_their_answers_hold_no_turn_of_the_others(tmp_path):
     """In a target whose pool is capped at 2 threads (FLAGCX_MC_SERVE_THREADS=2), eight
     connections each ask to read 64 MiB and never read the answer, so every answer's send blocks
     in a worker.  A ninth connection's write is answered within a second all the same and its
     bytes land: a blocked send costs its connection a thread, not the others their turn."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, FLAGCX_MC_SERVE_THREADS="2")
-    # Run outside the source tree: the installed package (with its compiled core) is imported.
-    out = subprocess.run([sys.executable, "-c", _STOPS_READING], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
+    result = _child_result(_STOPS_READING, tmp_path, threads=2)
     assert result["cap"] == 2, result
     assert result["preamble"] == "FMCNATOK" and result["answer"] == [7, 0, 0, 0], result
     assert result["seconds"] < 1.0, result
     assert result["landed"], result
     assert result["served"] >= 9, result  # every stalled read was taken up
+
+
+_FENCES = r"""
+import os, socket, struct, time
+import orjson
+from flagcx_mc._core import CoreEngine
+core = CoreEngine("127.0.0.1")
+hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
+def connect():
+    s = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)
+    s.sendall(hello)
+    assert s.recv(16)[:8] == b"FMCNATOK"
+    return s
+old = connect()
+old.sendall(struct.pack("<BBHIQQQ", 6, 0, 0, 0, 0, 0xABCDEF, 0))  # NAME: this connection's token
+time.sleep(0.3)  # the named connection is idle, back in the pool's set
+new = connect()
+start = time.monotonic()
+new.sendall(struct.pack("<BBHIQQQ", 7, 0, 0, 0, 5, 0xABCDEF, 0))  # FENCE: cut the named one
+data = b""
+while len(data) < 24 and (more := new.recv(24 - len(data))):
+    data += more
+out = {"answer": list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None,
+       "seconds": time.monotonic() - start, "old_closed": old.recv(1) == b""}
+print(orjson.dumps(out).decode(), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_fence_is_answered_at_once_by_a_pool_of_one_thread(tmp_path):
+    """A reconnecting initiator's fence (cut the connection it named before, answer once that
+    connection has stopped touching memory) waits for a worker to take the old connection's
+    shutdown.  In a pool of one thread (FLAGCX_MC_SERVE_THREADS=1) the fencing worker is that
+    thread: its wait must not count against the cap, or the fence times out after 10 s."""
+    result = _child_result(_FENCES, tmp_path, threads=1)
+    assert result["answer"] == [5, 0, 0, 0], result
+    assert result["seconds"] < 1.0, result
+    assert result["old_closed"], result

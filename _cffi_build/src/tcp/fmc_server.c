@@ -868,7 +868,9 @@ static int serve_vector(fmc_conn_state *cs, const fmc_req *q)
 /* A fence (fmc_wire.h): shut the connection named `token` down and return once its thread has
  * left it, i.e. stopped touching memory; FMC_OK, or FMC_ERR_TIMEOUT if it has not within
  * FMC_FENCE_WAIT_MS (a thread blocked on a socket that was shut down leaves at once; one landing
- * GPU copies, within their copy time). */
+ * GPU copies, within their copy time).  The wait is a stall outside the pool's count: a
+ * connection idle in the set leaves only once a worker takes its shutdown, and the fencing
+ * worker may be the one the cap allowed. */
 #define FMC_FENCE_WAIT_MS 10000
 static int32_t fence(fmc_conn_state *cs, uint64_t token)
 {
@@ -876,6 +878,7 @@ static int32_t fence(fmc_conn_state *cs, uint64_t token)
     struct timespec until;
     fmc_deadline_ts(FMC_FENCE_WAIT_MS, &until);
     int rc = FMC_OK;
+    fmc_pool_blocking_begin();
     pthread_mutex_lock(&e->mu);
     for (;;) {
         fmc_server_conn *old = NULL;
@@ -892,6 +895,7 @@ static int32_t fence(fmc_conn_state *cs, uint64_t token)
         }
     }
     pthread_mutex_unlock(&e->mu);
+    fmc_pool_blocking_end();
     return rc;
 }
 
