@@ -239,3 +239,61 @@ def test_a_fence_is_answered_at_once_by_a_pool_of_one_thread(tmp_path):
     assert result["answer"] == [5, 0, 0, 0], result
     assert result["seconds"] < 1.0, result
     assert result["old_closed"], result
+
+
+_VECTORS_STALL = r"""
+import os, socket, struct, time
+import orjson
+from flagcx_mc import HostBuffer
+from flagcx_mc._core import CoreEngine
+stalled, n, entry = 8, 4, 64 << 10
+size = n * entry
+core = CoreEngine("127.0.0.1")
+buf = HostBuffer((stalled + 1) * size)
+buf.fill(0)
+key = core.register(buf.addr, buf.size)
+payloads = [os.urandom(size) for _ in range(stalled + 1)]
+socks = []
+for k in range(stalled):  # a vector write of 4 x 64 KiB, half of its payloads, then nothing
+    s = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)
+    s.sendall(b"FMCNATV1" + struct.pack("<II", 1, 2))  # 2: this initiator sends vectors
+    assert s.recv(16)[:8] == b"FMCNATOK"
+    table = b"".join(struct.pack("<IIQQ", key, 0, buf.addr + k * size + i * entry, entry) for i in range(n))
+    s.sendall(struct.pack("<BBHIQQQ", 3, 0, 0, n, 100 + k, 0, size) + table + payloads[k][:size // 2])
+    socks.append(s)
+time.sleep(0.5)  # every worker that took one is waiting for the rest by now
+def answer(s):
+    data = b""
+    while len(data) < 24 and (more := s.recv(24 - len(data))):
+        data += more
+    return list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
+out = {}
+with socket.create_connection(("127.0.0.1", core.data_port), timeout=20) as s:
+    start = time.monotonic()
+    s.sendall(b"FMCNATV1" + struct.pack("<II", 1, 0)
+              + struct.pack("<BBHIQQQ", 1, 0, 0, key, 7, buf.addr + stalled * size, size) + payloads[stalled])
+    out["preamble"] = s.recv(16)[:8].decode(errors="replace")
+    out["answer"] = answer(s)
+    out["seconds"] = time.monotonic() - start
+out["landed"] = buf.read(stalled * size, size) == payloads[stalled]
+for k, s in enumerate(socks):
+    s.sendall(payloads[k][size // 2:])
+out["stalled_answers"] = [answer(s) for s in socks]
+out["stalled_landed"] = [buf.read(k * size, size) == payloads[k] for k in range(stalled)]
+print(orjson.dumps(out).decode(), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_initiators_stalled_mid_vector_hold_no_turn_and_finish_when_they_go_on(tmp_path):
+    """Eight connections of a target whose pool is capped at 2 threads each send half of a vector
+    write's payloads (4 x 64 KiB) and stop; a vector is not parked, so its worker waits for the
+    rest.  A ninth connection's write is answered within a second all the same, and when the
+    eight send the rest, each vector is answered and every byte is where it belongs."""
+    result = _child_result(_VECTORS_STALL, tmp_path, threads=2)
+    assert result["preamble"] == "FMCNATOK" and result["answer"] == [7, 0, 0, 0], result
+    assert result["seconds"] < 1.0, result
+    assert result["landed"], result
+    assert result["stalled_answers"] == [[100 + k, 0, 0, 0] for k in range(8)], result
+    assert all(result["stalled_landed"]), result

@@ -98,6 +98,11 @@ typedef struct {
     int64_t deadline_ms; /* 0, or when its blocking reads give up (then timed_out is set):
                           * fmc_reader_set_deadline */
     int timed_out;
+    /* NULL, or called with 1 when a blocking read first waits out the socket's receive timeout
+     * (a stall begins) and with 0 when that read ends: the serve pool's stall accounting, so
+     * that a peer stalled mid-payload costs its worker, not the pool's turn (fmc_server.c). */
+    void (*stall)(int begins);
+    int stalling;
 } fmc_reader;
 
 /* A socket's SO_RCVTIMEO or SO_SNDTIMEO (`optname`), in milliseconds; 0: none. */

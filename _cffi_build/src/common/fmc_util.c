@@ -71,6 +71,8 @@ int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
     r->max_read = 0;
     r->deadline_ms = 0;
     r->timed_out = 0;
+    r->stall = NULL;
+    r->stalling = 0;
     r->start = r->end = 0;
     r->buf = malloc(cap);
     return r->buf ? 0 : FMC_ERR_MEMORY;
@@ -117,7 +119,23 @@ static int keep_waiting(fmc_reader *r, int64_t *since)
     }
     if (!*since)
         *since = now;
-    return now - *since < FMC_STALL_MS;
+    if (now - *since >= FMC_STALL_MS)
+        return 0;
+    if (r->stall && !r->stalling) {
+        r->stalling = 1;
+        r->stall(1);
+    }
+    return 1;
+}
+
+/* The end of a blocking read: a stall it began is over (see fmc_reader.stall). */
+static int stall_over(fmc_reader *r, int rc)
+{
+    if (r->stalling) {
+        r->stalling = 0;
+        r->stall(0);
+    }
+    return rc;
 }
 
 /* Before a blocking recv of a reader with a deadline: the socket's receive timeout set to what
@@ -144,7 +162,11 @@ void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms)
     r->timed_out = 0;
 }
 
-int fmc_reader_fill(fmc_reader *r, size_t n)
+static int fill(fmc_reader *r, size_t n);
+
+int fmc_reader_fill(fmc_reader *r, size_t n) { return stall_over(r, fill(r, n)); }
+
+static int fill(fmc_reader *r, size_t n)
 {
     int64_t since = 0;
     if (n > r->cap)
@@ -223,7 +245,7 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
     }
     /* The rest is large or not here yet: read it straight into place. */
     size_t left = n - take;
-    return recv_into(r, (uint8_t *)dst + take, &left, 0) == 0 ? 0 : -1;
+    return stall_over(r, recv_into(r, (uint8_t *)dst + take, &left, 0) == 0 ? 0 : -1);
 }
 
 /* ---------------------------------------------- checked copies into registered memory */
@@ -278,12 +300,12 @@ static int read_region(fmc_reader *r, void *dst, size_t n, size_t *parked)
     return rc;
 }
 
-int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n) { return read_region(r, dst, n, NULL); }
+int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n) { return stall_over(r, read_region(r, dst, n, NULL)); }
 
 int fmc_reader_read_region_some(fmc_reader *r, void *dst, size_t n, size_t *landed)
 {
     *landed = n;
-    return read_region(r, dst, n, landed);
+    return stall_over(r, read_region(r, dst, n, landed));
 }
 
 /* Read `want` bytes into the iovecs (consumed): the buffered ones with one checked copy, the
@@ -344,7 +366,14 @@ static int read_iov_until_refused(fmc_reader *r, struct iovec *iov, int iovcnt, 
     return 0;
 }
 
+static int read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused);
+
 int fmc_reader_read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused)
+{
+    return stall_over(r, read_regions(r, iov, iovcnt, refused));
+}
+
+static int read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused)
 {
     struct iovec run[FMC_IOV_MAX];
     int i = 0;       /* the first entry not wholly landed */
@@ -385,7 +414,11 @@ int fmc_reader_read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, 
     return 0;
 }
 
-int fmc_reader_skip(fmc_reader *r, size_t n)
+static int skip(fmc_reader *r, size_t n);
+
+int fmc_reader_skip(fmc_reader *r, size_t n) { return stall_over(r, skip(r, n)); }
+
+static int skip(fmc_reader *r, size_t n)
 {
     int64_t since = 0;
     while (n) {

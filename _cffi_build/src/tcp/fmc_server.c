@@ -1258,6 +1258,18 @@ static void evict_idlest_locked(fmc_engine *e)
     }
 }
 
+/* A served connection's blocking read that waits out its receive timeout (FMC_PARK_MS) is a
+ * stall: its worker stops counting against the pool's cap until the read ends, so initiators
+ * stopped mid-payload (a vector's, or one bound for GPU memory, which are not parked) cost a
+ * thread each, not the other connections' turn. */
+static void served_read_stall(int begins)
+{
+    if (begins)
+        fmc_pool_blocking_begin();
+    else
+        fmc_pool_blocking_end();
+}
+
 static void start_conn(fmc_engine *e, int fd)
 {
     fmc_conn_state *cs = calloc(1, sizeof *cs);
@@ -1270,6 +1282,7 @@ static void start_conn(fmc_engine *e, int fd)
         return;
     }
     fmc_tune_socket_opts(fd, &e->opts);
+    cs->rd.stall = served_read_stall;
     c->fd = fd;
     cs->e = e;
     cs->c = c;
