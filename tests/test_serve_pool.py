@@ -173,14 +173,15 @@ os._exit(0)  # the stalled sockets and the engine go with the process
 """
 
 
-def _child_result(script: str, tmp_path, threads: int) -> dict:
+def _child_result(script: str, tmp_path, threads: int, **env_extra: str) -> dict:
     """Run ``script`` in a process whose serve pool is capped at ``threads`` (the cap is a
-    process setting, read at import) and return the JSON it prints."""
+    process setting, read at import), with ``env_extra`` in its environment, and return the JSON
+    it prints."""
     import json
     import subprocess
     import sys
 
-    env = dict(os.environ, FLAGCX_MC_SERVE_THREADS=str(threads))
+    env = dict(os.environ, FLAGCX_MC_SERVE_THREADS=str(threads), **env_extra)
     # Run outside the source tree: the installed package (with its compiled core) is imported.
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
@@ -297,3 +298,73 @@ def test_initiators_stalled_mid_vector_hold_no_turn_and_finish_when_they_go_on(t
     assert result["landed"], result
     assert result["stalled_answers"] == [[100 + k, 0, 0, 0] for k in range(8)], result
     assert all(result["stalled_landed"]), result
+
+
+_GPU_CHUNKS_HELD = r"""
+import os, socket, struct, time
+import orjson
+from flagcx_mc import HostBuffer
+from flagcx_mc._core import CoreEngine
+from flagcx_mc.buffers import DeviceBuffer
+from flagcx_mc.config import EngineConfig
+stalled, big, small = 4, 4 << 20, 4096
+core = CoreEngine("127.0.0.1", config=EngineConfig(gpu_staging=4 << 20))  # 4 receive chunks of 512 KiB
+gpu = DeviceBuffer((stalled + 1) * big, 0)
+gpu.fill(0)
+host = HostBuffer(small)
+host.fill(0)
+gkey, hkey = core.register(gpu.addr, gpu.size), core.register(host.addr, host.size)
+hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
+def request(key, req_id, addr, length):
+    return struct.pack("<BBHIQQQ", 1, 0, 0, key, req_id, addr, length)
+def answer(s):
+    data = b""
+    while len(data) < 24 and (more := s.recv(24 - len(data))):
+        data += more
+    return list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
+payloads = [os.urandom(big) for _ in range(stalled)]
+socks = []
+for k in range(stalled):  # 4 MiB writes into GPU memory, 256 KiB of each, then nothing: each holds a chunk
+    s = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)
+    s.sendall(hello + request(gkey, 100 + k, gpu.addr + k * big, big) + payloads[k][:256 << 10])
+    assert s.recv(16)[:8] == b"FMCNATOK"
+    socks.append(s)
+time.sleep(0.3)
+waiting = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)  # finds no chunk free
+gpu_small = os.urandom(small)
+waiting.sendall(hello + request(gkey, 50, gpu.addr + stalled * big, small) + gpu_small)
+assert waiting.recv(16)[:8] == b"FMCNATOK"
+time.sleep(0.3)
+payload, out = os.urandom(small), {}
+with socket.create_connection(("127.0.0.1", core.data_port), timeout=20) as s:
+    start = time.monotonic()
+    s.sendall(hello + request(hkey, 7, host.addr, small) + payload)
+    out["preamble"] = s.recv(16)[:8].decode(errors="replace")
+    out["answer"] = answer(s)
+    out["seconds"] = time.monotonic() - start
+out["landed"] = host.read(0, small) == payload
+for k, s in enumerate(socks):
+    s.sendall(payloads[k][256 << 10:])
+out["stalled_answers"] = [answer(s) for s in socks]
+out["waiting_answer"] = answer(waiting)
+out["gpu_landed"] = [gpu.read(k * big, big) == payloads[k] for k in range(stalled)]
+out["gpu_landed"].append(gpu.read(stalled * big, small) == gpu_small)
+print(orjson.dumps(out).decode(), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_write_waiting_for_a_staging_chunk_holds_no_turn(tmp_path, fake_driver):
+    """On the fake CUDA driver: four writes into GPU memory stopped mid-payload hold all four of
+    a target's receive staging chunks, and a fifth GPU write waits for one.  In a pool of one
+    thread a host write is answered within a second all the same; once the four send the rest,
+    every write is answered and every byte is in GPU memory."""
+    result = _child_result(_GPU_CHUNKS_HELD, tmp_path, threads=1, FLAGCX_MC_LIBCUDA=fake_driver,
+                           FAKE_CUDA_UUIDS="00112233445566778899aabbccddeef0")
+    assert result["preamble"] == "FMCNATOK" and result["answer"] == [7, 0, 0, 0], result
+    assert result["seconds"] < 1.0, result
+    assert result["landed"], result
+    assert result["stalled_answers"] == [[100 + k, 0, 0, 0] for k in range(4)], result
+    assert result["waiting_answer"] == [50, 0, 0, 0], result
+    assert all(result["gpu_landed"]), result
