@@ -98,12 +98,23 @@ typedef struct {
     int64_t deadline_ms; /* 0, or when its blocking reads give up (then timed_out is set):
                           * fmc_reader_set_deadline */
     int timed_out;
-    /* NULL, or called with 1 when a blocking read first waits out the socket's receive timeout
-     * (a stall begins) and with 0 when that read ends: the serve pool's stall accounting, so
-     * that a peer stalled mid-payload costs its worker, not the pool's turn (fmc_server.c). */
-    void (*stall)(int begins);
-    int stalling;
 } fmc_reader;
+
+/* This thread's stall accounting (NULL: none): called with 1 when one of its blocking socket
+ * calls (a reader's, or fmc_sendv_all / fmc_sendv_zc without a deadline) first waits out the
+ * socket's timeout without a byte moving, and with 0 when that call ends.  The serve pool's
+ * workers set it while they serve a connection (fmc_server.c), so that a peer stalled
+ * mid-payload, or one that stops reading its answers, costs its worker, not the pool's turn;
+ * such calls go on until FMC_STALL_MS pass without a byte. */
+void fmc_stall_hook_set(void (*hook)(int begins));
+/* For those blocking calls (common/fmc_util.c): the socket's timeout passed with no byte moved
+ * (*since: when that began, 0 at first); 1 while the call goes on, and the stall begins.  A
+ * reader's calls always go on so; a send only on a thread with a hook (fmc_send_stall_goes_on),
+ * elsewhere its socket's timeout ends it as it always did. */
+int fmc_stall_goes_on(int64_t *since);
+int fmc_send_stall_goes_on(int64_t *since);
+/* At the end of such a call: the stall it began, if any, is over.  Returns rc. */
+int fmc_stall_over(int rc);
 
 /* A socket's SO_RCVTIMEO or SO_SNDTIMEO (`optname`), in milliseconds; 0: none. */
 void fmc_socket_timeout(int fd, int optname, int64_t ms);

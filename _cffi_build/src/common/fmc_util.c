@@ -71,8 +71,6 @@ int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
     r->max_read = 0;
     r->deadline_ms = 0;
     r->timed_out = 0;
-    r->stall = NULL;
-    r->stalling = 0;
     r->start = r->end = 0;
     r->buf = malloc(cap);
     return r->buf ? 0 : FMC_ERR_MEMORY;
@@ -103,6 +101,43 @@ static void reader_compact(fmc_reader *r)
     r->end = n;
 }
 
+/* This thread's stall accounting (fmc_stall_hook_set), and the hook a stall under way began
+ * with (called again when it ends). */
+static __thread void (*stall_hook)(int begins);
+static __thread void (*stall_begun)(int begins);
+
+void fmc_stall_hook_set(void (*hook)(int begins)) { stall_hook = hook; }
+
+/* A blocking socket call waited out the socket's timeout without a byte moving; *since is when
+ * that began (0: it just did).  1 while the call should go on waiting (less than FMC_STALL_MS
+ * so far), and the thread's stall begins then. */
+int fmc_stall_goes_on(int64_t *since)
+{
+    int64_t now = fmc_now_ms();
+    if (!*since)
+        *since = now;
+    if (now - *since >= FMC_STALL_MS)
+        return 0;
+    if (stall_hook && !stall_begun) {
+        stall_begun = stall_hook;
+        stall_begun(1);
+    }
+    return 1;
+}
+
+int fmc_send_stall_goes_on(int64_t *since) { return stall_hook && fmc_stall_goes_on(since); }
+
+/* The end of a blocking socket call: a stall it began is over.  Returns rc. */
+int fmc_stall_over(int rc)
+{
+    if (stall_begun) {
+        void (*hook)(int) = stall_begun;
+        stall_begun = NULL;
+        hook(0);
+    }
+    return rc;
+}
+
 /* A blocking recv of the reader that gave up with EAGAIN (a target's connection has a short
  * receive timeout, so that the serve pool can park a write whose payload stalls, see
  * fmc_reader_read_region_some) is tried again until FMC_STALL_MS pass without a byte, or until
@@ -117,25 +152,7 @@ static int keep_waiting(fmc_reader *r, int64_t *since)
         r->timed_out = 1;
         return 0;
     }
-    if (!*since)
-        *since = now;
-    if (now - *since >= FMC_STALL_MS)
-        return 0;
-    if (r->stall && !r->stalling) {
-        r->stalling = 1;
-        r->stall(1);
-    }
-    return 1;
-}
-
-/* The end of a blocking read: a stall it began is over (see fmc_reader.stall). */
-static int stall_over(fmc_reader *r, int rc)
-{
-    if (r->stalling) {
-        r->stalling = 0;
-        r->stall(0);
-    }
-    return rc;
+    return fmc_stall_goes_on(since);
 }
 
 /* Before a blocking recv of a reader with a deadline: the socket's receive timeout set to what
@@ -164,7 +181,7 @@ void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms)
 
 static int fill(fmc_reader *r, size_t n);
 
-int fmc_reader_fill(fmc_reader *r, size_t n) { return stall_over(r, fill(r, n)); }
+int fmc_reader_fill(fmc_reader *r, size_t n) { return fmc_stall_over(fill(r, n)); }
 
 static int fill(fmc_reader *r, size_t n)
 {
@@ -245,7 +262,7 @@ int fmc_reader_read_into(fmc_reader *r, void *dst, size_t n)
     }
     /* The rest is large or not here yet: read it straight into place. */
     size_t left = n - take;
-    return stall_over(r, recv_into(r, (uint8_t *)dst + take, &left, 0) == 0 ? 0 : -1);
+    return fmc_stall_over(recv_into(r, (uint8_t *)dst + take, &left, 0) == 0 ? 0 : -1);
 }
 
 /* ---------------------------------------------- checked copies into registered memory */
@@ -300,12 +317,12 @@ static int read_region(fmc_reader *r, void *dst, size_t n, size_t *parked)
     return rc;
 }
 
-int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n) { return stall_over(r, read_region(r, dst, n, NULL)); }
+int fmc_reader_read_region(fmc_reader *r, void *dst, size_t n) { return fmc_stall_over(read_region(r, dst, n, NULL)); }
 
 int fmc_reader_read_region_some(fmc_reader *r, void *dst, size_t n, size_t *landed)
 {
     *landed = n;
-    return stall_over(r, read_region(r, dst, n, landed));
+    return fmc_stall_over(read_region(r, dst, n, landed));
 }
 
 /* Read `want` bytes into the iovecs (consumed): the buffered ones with one checked copy, the
@@ -370,7 +387,7 @@ static int read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint
 
 int fmc_reader_read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused)
 {
-    return stall_over(r, read_regions(r, iov, iovcnt, refused));
+    return fmc_stall_over(read_regions(r, iov, iovcnt, refused));
 }
 
 static int read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint8_t *refused)
@@ -416,7 +433,7 @@ static int read_regions(fmc_reader *r, const struct iovec *iov, int iovcnt, uint
 
 static int skip(fmc_reader *r, size_t n);
 
-int fmc_reader_skip(fmc_reader *r, size_t n) { return stall_over(r, skip(r, n)); }
+int fmc_reader_skip(fmc_reader *r, size_t n) { return fmc_stall_over(skip(r, n)); }
 
 static int skip(fmc_reader *r, size_t n)
 {
@@ -482,10 +499,21 @@ int fmc_iov_merge(struct iovec *iov, int iovcnt)
 /* The one sendmsg loop: sends every iovec (consuming iov), again after EINTR and partial sends.
  * deadline_ms < 0: blocking sends.  Otherwise each sendmsg is non-blocking and a full socket is
  * waited for in poll() until deadline_ms (fmc_now_ms clock): -2 once it passed.  -1 on error. */
+static int sendv_until(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms);
+
+/* Without a deadline a send blocks; on a socket with a send timeout (a served connection's), a
+ * timeout that passes with no byte taken is a stall, waited on until FMC_STALL_MS on a thread
+ * with a stall hook (fmc_send_stall_goes_on). */
 static int sendv_loop(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms)
+{
+    return fmc_stall_over(sendv_until(fd, iov, iovcnt, flags, deadline_ms));
+}
+
+static int sendv_until(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms)
 {
     struct msghdr msg;
     memset(&msg, 0, sizeof msg);
+    int64_t since = 0;
     if (deadline_ms >= 0)
         flags |= MSG_DONTWAIT;
     while (iovcnt > 0) {
@@ -495,14 +523,20 @@ static int sendv_loop(int fd, struct iovec *iov, int iovcnt, int flags, int64_t 
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            if (deadline_ms < 0 || (errno != EAGAIN && errno != EWOULDBLOCK))
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
                 return -1;
+            if (deadline_ms < 0) {
+                if (fmc_send_stall_goes_on(&since))
+                    continue;
+                return -1;
+            }
             int64_t left = deadline_ms - fmc_now_ms();
             struct pollfd pfd = {.fd = fd, .events = POLLOUT};
             if (left <= 0 || poll(&pfd, 1, (int)(left > 1000 ? 1000 : left)) < 0)
                 return left <= 0 ? -2 : -1;
             continue;
         }
+        since = 0;
         fmc_iov_advance(&iov, &iovcnt, (size_t)n);
     }
     return 0;

@@ -21,10 +21,10 @@
 
 #define FMC_MAX_SERVER_CONNS 4096
 #define FMC_PREAMBLE_TIMEOUT_MS 5000
-/* A served connection's receive timeout: a write's payload that stops coming for this long is
- * parked (receive_host_write) and its worker freed.  Other blocking reads within a request wait
- * on, up to FMC_STALL_MS without a byte (fmc_util.c), and so do sends of answers (SO_SNDTIMEO):
- * then the connection is dropped. */
+/* A served connection's receive and send timeouts: a write's payload that stops coming for this
+ * long is parked (receive_host_write) and its worker freed.  Other blocking reads within a
+ * request, and sends of answers, wait on as stalls, outside the pool's cap (served_stall), up
+ * to FMC_STALL_MS without a byte (fmc_util.c): then the connection is dropped. */
 #define FMC_PARK_MS 50
 
 static fmc_worker_pool serve_pool; /* defined with serve_event below; counts the connections it serves */
@@ -32,7 +32,7 @@ static fmc_worker_pool serve_pool; /* defined with serve_event below; counts the
 static void set_served_timeouts(int fd)
 {
     fmc_socket_timeout(fd, SO_RCVTIMEO, FMC_PARK_MS);
-    fmc_socket_timeout(fd, SO_SNDTIMEO, FMC_STALL_MS);
+    fmc_socket_timeout(fd, SO_SNDTIMEO, FMC_PARK_MS);
 }
 
 /* Regions are pinned (refs, under the engine lock) while a request touches them; unregister waits
@@ -214,29 +214,17 @@ static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
     return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
-/* The queued answers, zero-copy payloads through this thread's pipe.  Answers the socket cannot
- * take at once are sent outside the pool's count (fmc_pool_blocking_begin): an initiator that
- * stops reading them holds this worker for up to FMC_STALL_MS (SO_SNDTIMEO), and a few such
- * initiators must not hold every other connection's turn for that long.  Spliced answers are
- * large reads, which fill the socket anyway, so they always go that way. */
+/* The queued answers, zero-copy payloads through this thread's pipe.  An initiator that stops
+ * reading them makes this a stall after FMC_PARK_MS (served_stall). */
 static int send_answers(fmc_conn_state *cs)
 {
     if (!cs->niov)
         return 0;
     int rc;
     if (!cs->nzc) {
-        struct iovec *rest = cs->iov;
-        int left = cs->niov;
-        rc = fmc_sendv_nowait(cs->c->fd, &rest, &left);
-        if (rc == 0 && left > 0) {
-            fmc_pool_blocking_begin();
-            rc = fmc_sendv_all(cs->c->fd, rest, left);
-            fmc_pool_blocking_end();
-        }
+        rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
     } else {
-        fmc_pool_blocking_begin();
         rc = fmc_sendv_zc(cs->c->fd, cs->iov, cs->niov, cs->zc, -1);
-        fmc_pool_blocking_end();
         memset(cs->zc, 0, (size_t)cs->niov);
         cs->nzc = 0;
     }
@@ -1215,11 +1203,34 @@ static int watch_conn(fmc_conn_state *cs, int fd, int op)
  * worker directly. */
 #define SERVE_LINGER_MS 10
 
+/* A served connection's blocking read or send that waits out its socket's timeout (FMC_PARK_MS)
+ * with no byte moved is a stall (fmc_stall_hook_set): the worker stops counting against the
+ * pool's cap until that call ends, so initiators stopped mid-payload (a vector's, or one bound
+ * for GPU memory, which are not parked) or not reading their answers cost a thread each, not the
+ * other connections' turn; a payload or answers that keep moving keep their worker counted, so
+ * the cap still bounds the threads of many busy connections. */
+static void served_stall(int begins)
+{
+    if (begins)
+        fmc_pool_blocking_begin();
+    else
+        fmc_pool_blocking_end();
+}
+
+static void serve_connection(void *owner);
+
 /* Serve a connection that has input until it runs dry (then it goes back to the pool's set) or
  * ends (then it is closed and freed). */
 static void serve_event(void *owner, uint32_t events)
 {
     (void)events;
+    fmc_stall_hook_set(served_stall);
+    serve_connection(owner);
+    fmc_stall_hook_set(NULL);
+}
+
+static void serve_connection(void *owner)
+{
     fmc_conn_state *cs = owner;
     int rc;
     while ((rc = serve_some(cs)) == SERVE_YIELD && fmc_pool_linger(cs->c->fd, SERVE_LINGER_MS))
@@ -1265,18 +1276,6 @@ static void evict_idlest_locked(fmc_engine *e)
     }
 }
 
-/* A served connection's blocking read that waits out its receive timeout (FMC_PARK_MS) is a
- * stall: its worker stops counting against the pool's cap until the read ends, so initiators
- * stopped mid-payload (a vector's, or one bound for GPU memory, which are not parked) cost a
- * thread each, not the other connections' turn. */
-static void served_read_stall(int begins)
-{
-    if (begins)
-        fmc_pool_blocking_begin();
-    else
-        fmc_pool_blocking_end();
-}
-
 static void start_conn(fmc_engine *e, int fd)
 {
     fmc_conn_state *cs = calloc(1, sizeof *cs);
@@ -1289,7 +1288,6 @@ static void start_conn(fmc_engine *e, int fd)
         return;
     }
     fmc_tune_socket_opts(fd, &e->opts);
-    cs->rd.stall = served_read_stall;
     c->fd = fd;
     cs->e = e;
     cs->c = c;

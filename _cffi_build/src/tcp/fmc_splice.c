@@ -139,10 +139,16 @@ static int splice_run(int fd, struct iovec *iov, int cnt, int more, int pipefd[2
         fmc_iov_advance(&iov, &cnt, (size_t)in);
         size_t left = (size_t)in;
         int flags = SPLICE_F_MOVE | (more || cnt > 0 ? SPLICE_F_MORE : 0);
+        int64_t since = 0; /* without a deadline: a send timeout with nothing moved is a stall */
         while (left) {
             ssize_t out = splice(pipefd[0], NULL, fd, NULL, left, (unsigned)flags);
             if (out < 0 && errno == EINTR)
                 continue;
+            if (out < 0 && deadline_ms < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
+                fmc_send_stall_goes_on(&since))
+                continue;
+            if (out > 0)
+                since = 0;
             if (out < 0 && unsupported(errno)) {
                 zc_turn_off();
                 int rc = drain_pipe_plainly(fd, pipefd, left, more || cnt > 0 ? MSG_MORE : 0, deadline_ms);
@@ -192,7 +198,7 @@ int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int64
 {
     if (deadline_ms >= 0)
         send_timeout(fd, deadline_ms);
-    int rc = sendv_zc(fd, iov, iovcnt, zc, thread_pipe, deadline_ms);
+    int rc = fmc_stall_over(sendv_zc(fd, iov, iovcnt, zc, thread_pipe, deadline_ms));
     if (deadline_ms >= 0)
         send_timeout(fd, -1);
     if (rc < 0)
