@@ -275,3 +275,47 @@ def test_a_small_hosts_pools_hold_a_worker_per_side_of_one_peer_and_shrink_for_m
     finally:
         for p in writers + targets:
             p.close()
+
+
+@pytest.mark.timeout(180)
+def test_sends_waiting_on_stopped_peers_hold_at_most_eight_threads_beyond_the_cap():
+    """64 MiB writes to 12 peers, four streams each, and the peers stopped (SIGSTOP) while the
+    payloads are on the way: each stream's send side waits in its splice outside the pool's cap,
+    but the pool starts at most 8 threads beyond the cap for them, not one per stream.  Once the
+    peers go on, every write completes and every byte lands."""
+    size = 64 * MIB
+    peers = [NodeProcess(regions=[size]) for _ in range(12)]
+    eng = TransferEngine(transport="tcp", streams_per_peer=4)
+    buf = HostBuffer(size)
+    stopped = False
+    try:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.addr, buf.size) == 0
+        digest = buf.fill_random()
+        quarter = size // 4
+        srcs = [buf.addr + i * quarter for i in range(4)]
+        for p in peers:  # sessions open, and their four streams connected
+            assert eng.batch_transfer_sync_write(p.session, srcs[:1], [p.addr(0)], [4 * MIB]) == 0
+        for p in peers:
+            os.kill(p.pid, signal.SIGSTOP)
+        stopped = True
+        batches = [eng.batch_transfer_async_write(p.session, srcs, [p.addr(0, i * quarter) for i in range(4)],
+                                                  [quarter] * 4) for p in peers]
+        assert all(batches)
+        time.sleep(1.0)  # every send side has filled its sockets and waits
+        stats = eng.stats()
+        assert stats["io_threads"] <= stats["io_threads_cap"] + 8, stats
+        for p in peers:
+            os.kill(p.pid, signal.SIGCONT)
+        stopped = False
+        assert all(eng.get_batch_transfer_status([b]) == 0 for b in batches)
+        for p in peers:
+            assert p.call("digest", region=0)["digest"] == digest
+    finally:
+        if stopped:
+            for p in peers:
+                os.kill(p.pid, signal.SIGCONT)
+        eng.close()
+        buf.close()
+        for p in peers:
+            p.close()

@@ -110,13 +110,21 @@ static int spawn_locked(fmc_worker_pool *pool)
     return ok;
 }
 
+/* Threads a pool may hold beyond its cap for workers inside fmc_pool_blocking_begin/end: so many
+ * peers stalled at once are each waited on while the others keep their turn; past them new work
+ * waits for a thread.  Those sections are also where spliced and GPU sends and answers' payloads
+ * go, so with many transfers in flight at once the pool holds at most this many more than its
+ * cap (the 64-peer budget of 2 x CPUs + 8 threads counts on it). */
+#define FMC_POOL_BLOCKED_SPARE 8
+
 /* Nobody is left watching the set and the cap allows one more: start it.  Returns 1 where
  * nobody watches and the cap allows no more (caller holds mu). */
 static int grow_if_starved_locked(fmc_worker_pool *pool)
 {
     if (load(&pool->waiting) != 0)
         return 0;
-    if (load(&pool->workers) - load(&pool->blocked) >= cap_now(pool))
+    int cap = cap_now(pool), workers = load(&pool->workers);
+    if (workers - load(&pool->blocked) >= cap || workers >= cap + FMC_POOL_BLOCKED_SPARE)
         return 1;
     spawn_locked(pool);
     return 0;
