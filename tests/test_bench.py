@@ -814,6 +814,18 @@ def test_peers_targets_judge_threads_fds_and_rates_against_their_budget():
         tg._check(tg.Target("bad", "peers:out:first_contact", 1.0, "lower"), TRANSPORT_NAMES)
 
 
+def test_peers_threads_target_judges_the_peak_of_the_timed_rounds():
+    """A row's threads at the peak of its timed rounds count when they exceed those at rest: a
+    pool that grows during the transfers and shrinks before the count must not pass."""
+    at_rest = _peer_row("out", 64, 1.6, 20, 300)
+    target = tg.TargetSet((tg.Target("o", "peers:out:threads", 1.0, "lower"),))
+    assert tg.evaluate_targets(target, {"cpus": 2, "peers": [at_rest]})[0]["status"] == "PASS"
+    got = tg.evaluate_targets(target, {"cpus": 2, "peers": [at_rest | {"peak_threads": 30}]})[0]
+    assert got["status"] == "MISS" and got["measured"] == pytest.approx(30 / 22), got
+    got = tg.evaluate_targets(target, {"cpus": 2, "peers": [at_rest | {"peak_threads": 15}]})[0]
+    assert got["status"] == "PASS" and got["measured"] == pytest.approx(20 / 22), got
+
+
 def test_the_first_contact_target_is_our_time_over_mooncakes_at_the_judged_counts():
     """peers:in:first_contact: flagcx_mc's slowest first call over Mooncake's, same count, from
     min_peers up; unverified rows and counts without Mooncake's row judge nothing."""

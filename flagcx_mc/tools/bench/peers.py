@@ -5,7 +5,8 @@ engine in a process of its own (the *measured* process) exchanges one write of `
 with each of N engines of the other side, hosted a few to a process (``PeerGroup``), and the row
 reports the aggregate rate and what the measured process holds once every session is open: its
 threads, its open fds and its resident memory, beside what it held with the engine started and
-no peer yet (``idle_*``).
+no peer yet (``idle_*``), and the most threads it held while the timed rounds ran
+(``peak_threads``, sampled every millisecond).
 
 - ``out``: the measured engine writes to N targets (one batch to each, all in flight at once).
 - ``in``: N initiators write into the measured engine, each to its own range, all at once.
@@ -55,11 +56,13 @@ def process_resources() -> dict:
 class _Peers(EngineServer):
     """Child side: ``count`` engines of one kind, engine i owning region i."""
 
-    COMMANDS = EngineServer.COMMANDS | {"init", "write", "first_contact", "resources", "digests"}
+    COMMANDS = EngineServer.COMMANDS | {"init", "write", "first_contact", "resources", "digests", "watch_threads",
+                                        "peak_threads"}
 
     def __init__(self) -> None:
         super().__init__()
         self.engines: list[Any] = []
+        self._watch: tuple[threading.Thread, threading.Event, list[int]] | None = None
 
     def init(self, engine: str = "flagcx_mc", count: int = 1, size: int = 1 << 20, config: dict | None = None,
              host: str = "127.0.0.1") -> dict:
@@ -114,6 +117,30 @@ class _Peers(EngineServer):
     def resources(self) -> dict:
         return process_resources()
 
+    def watch_threads(self) -> dict:
+        """Sample this process's thread count every millisecond until ``peak_threads``."""
+        stop, peak = threading.Event(), [0]
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], len(os.listdir("/proc/self/task")))
+                stop.wait(0.001)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        self._watch = (thread, stop, peak)
+        return {}
+
+    def peak_threads(self) -> dict:
+        """The most threads seen since ``watch_threads``, the sampling thread left out."""
+        if self._watch is None:
+            return {"peak": None}
+        thread, stop, peak = self._watch
+        stop.set()
+        thread.join()
+        self._watch = None
+        return {"peak": peak[0] - 1}
+
     def digests(self, ranges: list[list[int]]) -> dict:
         return {"digests": [self.regions[r].digest(off, n) for r, off, n in ranges]}
 
@@ -154,7 +181,7 @@ def _groups(engine: str, n: int, size: int, config: dict | None, env: dict | Non
 def measure_peers(engine: str, direction: str, n: int, block: int, trials: int = 3, config: dict | None = None,
                   env: dict | None = None, on_idle: Callable[[int, dict], None] | None = None) -> dict:
     """One row: ``{"engine", "direction", "peers", "block", "gbps", "trials_gbps", "threads", "fds",
-    "rss_mib", "idle_threads", "idle_fds", "idle_rss_mib", "verified", "error"}``.  ``on_idle``
+    "rss_mib", "idle_threads", "idle_fds", "idle_rss_mib", "peak_threads", "verified", "error"}``.  ``on_idle``
     is called with the measured process's pid and its idle resources before any peer starts
     (to confine it, for example)."""
     row: dict = {"engine": engine, "direction": direction, "peers": n, "block": block, "gbps": 0.0,
@@ -196,7 +223,9 @@ def measure_peers(engine: str, direction: str, n: int, block: int, trials: int =
                     return max(a["seconds"] for a in answers)
 
             one_round()  # opens every session
+            measured.call("watch_threads")
             seconds = [one_round() for _ in range(trials)]
+            row["peak_threads"] = measured.call("peak_threads")["peak"]
             row["trials_gbps"] = [round(n * block / s / 1e9, 3) for s in seconds]
             row["gbps"] = max(row["trials_gbps"])
             busy = measured.call("resources")
@@ -260,20 +289,23 @@ def print_first_contact_report(rows: list[dict], out: Any = None) -> None:
 def print_peers_report(rows: list[dict], cpus: int, out: Any = None) -> None:
     """The peers table: per engine, direction and count, the rate and what the measured process
     holds, beside the budget the targets set (idle + 2 x CPUs + 8 threads, idle + 4 fds per peer)."""
-    print(f"\n{'peers':<13} {'dir':>3} {'peers':>5} {'block':>6} {'GB/s':>7} {'threads':>12} {'fds':>13} "
-          f"{'RSS MiB':>8}  verified", file=out)
+    print(f"\n{'peers':<13} {'dir':>3} {'peers':>5} {'block':>6} {'GB/s':>7} {'threads':>12} {'peak':>10} "
+          f"{'fds':>13} {'RSS MiB':>8}  verified", file=out)
     for r in rows:
         if r["error"]:
             print(f"{r['engine']:<13} {r['direction']:>3} {r['peers']:>5} {r['block'] >> 10:>5}K  error: {r['error']}",
                   file=out)
             continue
         threads = f"{r['threads']} (+{r['threads'] - r['idle_threads']})"
+        peak = r.get("peak_threads")
+        peak_text = "-" if peak is None else f"{peak} (+{peak - r['idle_threads']})"
         fds = f"{r['fds']} (+{r['fds'] - r['idle_fds']})"
         print(f"{r['engine']:<13} {r['direction']:>3} {r['peers']:>5} {r['block'] >> 10:>5}K {r['gbps']:>7.2f} "
-              f"{threads:>12} {fds:>13} {r['rss_mib']:>8.1f}  {'yes' if r['verified'] else 'NO'}", file=out)
-    print(f"(the measured process's threads and fds once every session is open, in brackets what it gained over "
-          f"the engine alone; budget with {cpus} CPUs: idle + {2 * cpus + 8} threads, idle + 4 fds per peer)",
-          file=out)
+              f"{threads:>12} {peak_text:>10} {fds:>13} {r['rss_mib']:>8.1f}  {'yes' if r['verified'] else 'NO'}",
+              file=out)
+    print(f"(the measured process's threads and fds once every session is open, and its most threads while the "
+          f"timed rounds ran (peak); in brackets what it gained over the engine alone; budget with {cpus} CPUs: "
+          f"idle + {2 * cpus + 8} threads, idle + 4 fds per peer)", file=out)
 
 
 if __name__ == "__main__":

@@ -257,8 +257,9 @@ def _peer_values(target: Target, result: dict) -> tuple[list[tuple[float, dict]]
     judged = [r for n, r in rows.items() if n >= target.min_peers]
     if not judged:
         return [], f"no {direction} row of {target.min_peers} peers or more"
-    if measure == "threads":
-        return [(r["threads"] / (r["idle_threads"] + 2 * cpus + 8), r) for r in judged], ""
+    if measure == "threads":  # the more of at rest and at the peak of the timed rounds (older runs: at rest)
+        return [(max(r["threads"], r.get("peak_threads") or 0) / (r["idle_threads"] + 2 * cpus + 8), r)
+                for r in judged], ""
     return [(r["fds"] / (r["idle_fds"] + 4 * r["peers"]), r) for r in judged], ""
 
 
