@@ -134,9 +134,24 @@ def test_initiators_stalled_mid_payload_hold_no_thread_and_finish_when_they_go_o
         buf.close()
 
 
-_STOPS_READING = r"""
-import os, socket, struct, sys, time
+# What every child script below starts with: the native framing's preamble and requests
+# (fmc_wire.h), and one answer read off a socket (None if the connection ended first).
+_CHILD_WIRE = r"""
+import os, socket, struct, time
 import orjson
+def hello(flags=0):
+    return b"FMCNATV1" + struct.pack("<II", 1, flags)
+def request(opcode, key, req_id, addr, length):
+    return struct.pack("<BBHIQQQ", opcode, 0, 0, key, req_id, addr, length)
+def answer(s):
+    data = b""
+    while len(data) < 24 and (more := s.recv(24 - len(data))):
+        data += more
+    return list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
+"""
+
+
+_STOPS_READING = r"""
 from flagcx_mc import HostBuffer
 from flagcx_mc._core import CoreEngine
 stalled, big, small = 8, 64 << 20, 4096
@@ -144,26 +159,22 @@ core = CoreEngine("127.0.0.1")
 buf = HostBuffer(stalled * big + small)
 buf.fill(0)
 key = core.register(buf.addr, buf.size)
-hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
 socks = []
 for k in range(stalled):  # each asks for 64 MiB and never reads a byte of the answer
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
     s.settimeout(20)
     s.connect(("127.0.0.1", core.data_port))
-    s.sendall(hello + struct.pack("<BBHIQQQ", 2, 0, 0, key, 100 + k, buf.addr + k * big, big))
+    s.sendall(hello() + request(2, key, 100 + k, buf.addr + k * big, big))
     socks.append(s)
 time.sleep(0.5)  # every answer's send has filled its socket by now
 payload = os.urandom(small)
 out = {}
 with socket.create_connection(("127.0.0.1", core.data_port), timeout=20) as s:
     start = time.monotonic()
-    s.sendall(hello + struct.pack("<BBHIQQQ", 1, 0, 0, key, 7, buf.addr + stalled * big, small) + payload)
+    s.sendall(hello() + request(1, key, 7, buf.addr + stalled * big, small) + payload)
     out["preamble"] = s.recv(16)[:8].decode(errors="replace")
-    data = b""
-    while len(data) < 24 and (more := s.recv(24 - len(data))):
-        data += more
-    out["answer"] = list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
+    out["answer"] = answer(s)
     out["seconds"] = time.monotonic() - start
 out["landed"] = buf.read(stalled * big, small) == payload
 stats = core.stats()
@@ -174,7 +185,7 @@ os._exit(0)  # the stalled sockets and the engine go with the process
 
 
 def _child_result(script: str, tmp_path, threads: int, **env_extra: str) -> dict:
-    """Run ``script`` in a process whose serve pool is capped at ``threads`` (the cap is a
+    """Run ``script`` (after _CHILD_WIRE) in a process whose serve pool is capped at ``threads`` (the cap is a
     process setting, read at import), with ``env_extra`` in its environment, and return the JSON
     it prints."""
     import json
@@ -183,8 +194,8 @@ def _child_result(script: str, tmp_path, threads: int, **env_extra: str) -> dict
 
     env = dict(os.environ, FLAGCX_MC_SERVE_THREADS=str(threads), **env_extra)
     # Run outside the source tree: the installed package (with its compiled core) is imported.
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", _CHILD_WIRE + script], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -204,27 +215,20 @@ def test_initiators_that_stop_reading_their_answers_hold_no_turn_of_the_others(t
 
 
 _FENCES = r"""
-import os, socket, struct, time
-import orjson
 from flagcx_mc._core import CoreEngine
 core = CoreEngine("127.0.0.1")
-hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
 def connect():
     s = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)
-    s.sendall(hello)
+    s.sendall(hello())
     assert s.recv(16)[:8] == b"FMCNATOK"
     return s
 old = connect()
-old.sendall(struct.pack("<BBHIQQQ", 6, 0, 0, 0, 0, 0xABCDEF, 0))  # NAME: this connection's token
+old.sendall(request(6, 0, 0, 0xABCDEF, 0))  # NAME: this connection's token
 time.sleep(0.3)  # the named connection is idle, back in the pool's set
 new = connect()
 start = time.monotonic()
-new.sendall(struct.pack("<BBHIQQQ", 7, 0, 0, 0, 5, 0xABCDEF, 0))  # FENCE: cut the named one
-data = b""
-while len(data) < 24 and (more := new.recv(24 - len(data))):
-    data += more
-out = {"answer": list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None,
-       "seconds": time.monotonic() - start, "old_closed": old.recv(1) == b""}
+new.sendall(request(7, 0, 5, 0xABCDEF, 0))  # FENCE: cut the named one
+out = {"answer": answer(new), "seconds": time.monotonic() - start, "old_closed": old.recv(1) == b""}
 print(orjson.dumps(out).decode(), flush=True)
 os._exit(0)
 """
@@ -243,8 +247,6 @@ def test_a_fence_is_answered_at_once_by_a_pool_of_one_thread(tmp_path):
 
 
 _VECTORS_STALL = r"""
-import os, socket, struct, time
-import orjson
 from flagcx_mc import HostBuffer
 from flagcx_mc._core import CoreEngine
 stalled, n, entry = 8, 4, 64 << 10
@@ -257,22 +259,16 @@ payloads = [os.urandom(size) for _ in range(stalled + 1)]
 socks = []
 for k in range(stalled):  # a vector write of 4 x 64 KiB, half of its payloads, then nothing
     s = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)
-    s.sendall(b"FMCNATV1" + struct.pack("<II", 1, 2))  # 2: this initiator sends vectors
+    s.sendall(hello(2))  # 2: this initiator sends vectors
     assert s.recv(16)[:8] == b"FMCNATOK"
     table = b"".join(struct.pack("<IIQQ", key, 0, buf.addr + k * size + i * entry, entry) for i in range(n))
-    s.sendall(struct.pack("<BBHIQQQ", 3, 0, 0, n, 100 + k, 0, size) + table + payloads[k][:size // 2])
+    s.sendall(request(3, n, 100 + k, 0, size) + table + payloads[k][:size // 2])
     socks.append(s)
 time.sleep(0.5)  # every worker that took one is waiting for the rest by now
-def answer(s):
-    data = b""
-    while len(data) < 24 and (more := s.recv(24 - len(data))):
-        data += more
-    return list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
 out = {}
 with socket.create_connection(("127.0.0.1", core.data_port), timeout=20) as s:
     start = time.monotonic()
-    s.sendall(b"FMCNATV1" + struct.pack("<II", 1, 0)
-              + struct.pack("<BBHIQQQ", 1, 0, 0, key, 7, buf.addr + stalled * size, size) + payloads[stalled])
+    s.sendall(hello() + request(1, key, 7, buf.addr + stalled * size, size) + payloads[stalled])
     out["preamble"] = s.recv(16)[:8].decode(errors="replace")
     out["answer"] = answer(s)
     out["seconds"] = time.monotonic() - start
@@ -301,8 +297,6 @@ def test_initiators_stalled_mid_vector_hold_no_turn_and_finish_when_they_go_on(t
 
 
 _GPU_CHUNKS_HELD = r"""
-import os, socket, struct, time
-import orjson
 from flagcx_mc import HostBuffer
 from flagcx_mc._core import CoreEngine
 from flagcx_mc.buffers import DeviceBuffer
@@ -314,31 +308,23 @@ gpu.fill(0)
 host = HostBuffer(small)
 host.fill(0)
 gkey, hkey = core.register(gpu.addr, gpu.size), core.register(host.addr, host.size)
-hello = b"FMCNATV1" + struct.pack("<II", 1, 0)
-def request(key, req_id, addr, length):
-    return struct.pack("<BBHIQQQ", 1, 0, 0, key, req_id, addr, length)
-def answer(s):
-    data = b""
-    while len(data) < 24 and (more := s.recv(24 - len(data))):
-        data += more
-    return list(struct.unpack("<QiIQ", data)) if len(data) == 24 else None
 payloads = [os.urandom(big) for _ in range(stalled)]
 socks = []
 for k in range(stalled):  # 4 MiB writes into GPU memory, 256 KiB of each, then nothing: each holds a chunk
     s = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)
-    s.sendall(hello + request(gkey, 100 + k, gpu.addr + k * big, big) + payloads[k][:256 << 10])
+    s.sendall(hello() + request(1, gkey, 100 + k, gpu.addr + k * big, big) + payloads[k][:256 << 10])
     assert s.recv(16)[:8] == b"FMCNATOK"
     socks.append(s)
 time.sleep(0.3)
 waiting = socket.create_connection(("127.0.0.1", core.data_port), timeout=20)  # finds no chunk free
 gpu_small = os.urandom(small)
-waiting.sendall(hello + request(gkey, 50, gpu.addr + stalled * big, small) + gpu_small)
+waiting.sendall(hello() + request(1, gkey, 50, gpu.addr + stalled * big, small) + gpu_small)
 assert waiting.recv(16)[:8] == b"FMCNATOK"
 time.sleep(0.3)
 payload, out = os.urandom(small), {}
 with socket.create_connection(("127.0.0.1", core.data_port), timeout=20) as s:
     start = time.monotonic()
-    s.sendall(hello + request(hkey, 7, host.addr, small) + payload)
+    s.sendall(hello() + request(1, hkey, 7, host.addr, small) + payload)
     out["preamble"] = s.recv(16)[:8].decode(errors="replace")
     out["answer"] = answer(s)
     out["seconds"] = time.monotonic() - start

@@ -107,11 +107,10 @@ typedef struct {
  * mid-payload, or one that stops reading its answers, costs its worker, not the pool's turn;
  * such calls go on until FMC_STALL_MS pass without a byte. */
 void fmc_stall_hook_set(void (*hook)(int begins));
-/* For those blocking calls (common/fmc_util.c): the socket's timeout passed with no byte moved
- * (*since: when that began, 0 at first); 1 while the call goes on, and the stall begins.  A
- * reader's calls always go on so; a send only on a thread with a hook (fmc_send_stall_goes_on),
- * elsewhere its socket's timeout ends it as it always did. */
-int fmc_stall_goes_on(int64_t *since);
+/* For a blocking send without a deadline: the socket's timeout passed with no byte moved
+ * (*since: when that began, 0 at first); 1 while the send goes on, and the stall begins.  Only
+ * on a thread with a hook: elsewhere the socket's timeout ends the send as it always did (a
+ * reader's calls wait on whatever the thread, common/fmc_util.c). */
 int fmc_send_stall_goes_on(int64_t *since);
 /* At the end of such a call: the stall it began, if any, is over.  Returns rc. */
 int fmc_stall_over(int rc);

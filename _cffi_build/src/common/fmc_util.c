@@ -102,7 +102,8 @@ static void reader_compact(fmc_reader *r)
 }
 
 /* This thread's stall accounting (fmc_stall_hook_set), and the hook a stall under way began
- * with (called again when it ends). */
+ * with (called again when it ends).  Blocking calls that wait out their socket's timeout with no
+ * byte moved ask stall_goes_on whether to wait again. */
 static __thread void (*stall_hook)(int begins);
 static __thread void (*stall_begun)(int begins);
 
@@ -111,7 +112,7 @@ void fmc_stall_hook_set(void (*hook)(int begins)) { stall_hook = hook; }
 /* A blocking socket call waited out the socket's timeout without a byte moving; *since is when
  * that began (0: it just did).  1 while the call should go on waiting (less than FMC_STALL_MS
  * so far), and the thread's stall begins then. */
-int fmc_stall_goes_on(int64_t *since)
+static int stall_goes_on(int64_t *since)
 {
     int64_t now = fmc_now_ms();
     if (!*since)
@@ -125,7 +126,7 @@ int fmc_stall_goes_on(int64_t *since)
     return 1;
 }
 
-int fmc_send_stall_goes_on(int64_t *since) { return stall_hook && fmc_stall_goes_on(since); }
+int fmc_send_stall_goes_on(int64_t *since) { return stall_hook && stall_goes_on(since); }
 
 /* The end of a blocking socket call: a stall it began is over.  Returns rc. */
 int fmc_stall_over(int rc)
@@ -152,7 +153,7 @@ static int keep_waiting(fmc_reader *r, int64_t *since)
         r->timed_out = 1;
         return 0;
     }
-    return fmc_stall_goes_on(since);
+    return stall_goes_on(since);
 }
 
 /* Before a blocking recv of a reader with a deadline: the socket's receive timeout set to what
