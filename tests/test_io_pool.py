@@ -319,3 +319,71 @@ def test_sends_waiting_on_stopped_peers_hold_at_most_eight_threads_beyond_the_ca
         buf.close()
         for p in peers:
             p.close()
+
+
+@pytest.mark.timeout(180)
+def test_payloads_that_keep_moving_count_against_the_cap(tmp_path):
+    """With FLAGCX_MC_IO_THREADS=2, 64 MiB writes (spliced by the send sides) and reads (payloads
+    received by the receive sides) to 4 running peers, four streams each, all in flight at once:
+    only a send or receive that waits out its socket's 50 ms tick with no byte moved leaves the
+    cap, so the pool holds about its cap of threads while the bytes move (not one per busy stream
+    side up to the cap + 8), and every byte lands."""
+    script = r"""
+import os, sys, threading, time
+import orjson
+from flagcx_mc import HostBuffer, TransferEngine
+peers = orjson.loads(sys.argv[1])
+size = 64 << 20
+eng = TransferEngine(transport="tcp", streams_per_peer=4)
+buf = HostBuffer(size)
+assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+assert eng.register_memory(buf.addr, buf.size) == 0
+digest = buf.fill_random()
+quarter = size // 4
+srcs = [buf.addr + i * quarter for i in range(4)]
+for p in peers:  # sessions open, and their four streams connected
+    assert eng.batch_transfer_sync_write(p["session"], srcs[:1], [p["addr"]], [4 << 20]) == 0
+peak = {}
+stop = threading.Event()
+def watch(op):
+    while not stop.is_set():
+        peak[op] = max(peak.get(op, 0), eng.stats()["io_threads"])
+        time.sleep(0.001)
+ok = True
+for op in ("write", "read"):
+    stop.clear()
+    t = threading.Thread(target=watch, args=(op,))
+    t.start()
+    start = eng.batch_transfer_async_write if op == "write" else eng.batch_transfer_async_read
+    for _ in range(3):
+        batches = [start(p["session"], srcs, [p["addr"] + i * quarter for i in range(4)], [quarter] * 4) for p in peers]
+        ok = ok and all(b and eng.get_batch_transfer_status([b]) == 0 for b in batches)
+    stop.set()
+    t.join()
+print(orjson.dumps({"ok": ok, "peak": peak, "cap": eng.stats()["io_threads_cap"], "digest": digest,
+                    "read_back": buf.digest(0, size) == digest}).decode(), flush=True)
+os._exit(0)  # skip the interpreter's teardown: under tests/asan, CPython's own leaks set the exit code
+"""
+    import json
+    import subprocess
+    import sys
+
+    peers = [NodeProcess(regions=[64 * MIB]) for _ in range(4)]
+    try:
+        args = json.dumps([{"session": p.session, "addr": p.addr(0)} for p in peers])
+        env = dict(os.environ, FLAGCX_MC_IO_THREADS="2")
+        # Run outside the source tree: the installed package (with its compiled core) is imported.
+        out = subprocess.run([sys.executable, "-c", script, args], capture_output=True, text=True, env=env,
+                             cwd=tmp_path, timeout=150)
+        assert out.returncode == 0, out.stderr[-2000:]
+        result = json.loads(out.stdout.splitlines()[-1])
+        assert result["ok"] and result["read_back"], result
+        assert result["cap"] == 2, result
+        # Before, every spliced send and every answer's payload left the cap: 9-10 threads here.
+        for op, threads in result["peak"].items():
+            assert threads <= result["cap"] + 3, (op, result)
+        for p in peers:
+            assert p.call("digest", region=0)["digest"] == result["digest"]
+    finally:
+        for p in peers:
+            p.close()

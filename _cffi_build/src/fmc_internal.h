@@ -97,16 +97,23 @@ typedef struct {
                       * the socket, to be read straight into place (vectors) */
     int64_t deadline_ms; /* 0, or when its blocking reads give up (then timed_out is set):
                           * fmc_reader_set_deadline */
+    int64_t base_timeout_ms; /* the socket's receive timeout outside a deadline (0: none) */
     int timed_out;
 } fmc_reader;
 
+/* A data stream's socket times its blocking calls out this often outside a caller's deadline
+ * (fmc_connection.c), and so does a served connection's (FMC_PARK_MS, fmc_server.c): a pool
+ * worker whose call waits one out with no byte moved is stalled on its peer (below). */
+#define FMC_STALL_TICK_MS 50
+
 /* This thread's stall accounting (NULL: none): called with 1 when one of its blocking socket
  * calls (a reader's, or fmc_sendv_all / fmc_sendv_zc without a deadline) first waits out the
- * socket's timeout without a byte moving, and with 0 when that call ends.  The serve pool's
- * workers set it while they serve a connection (fmc_server.c), so that a peer stalled
- * mid-payload, or one that stops reading its answers, costs its worker, not the pool's turn;
- * such calls go on until FMC_STALL_MS pass without a byte. */
-void fmc_stall_hook_set(void (*hook)(int begins));
+ * socket's timeout without a byte moving, and with 0 when that call ends.  Pool workers set it
+ * while they run a connection (fmc_pool_stall: the serve pool's in fmc_server.c, the I/O pool's
+ * in fmc_stream.c), so that a peer stalled mid-payload, or one that stops reading, costs its
+ * worker, not the pool's turn.  Such calls go on until `limit_ms` pass without a byte (0: no
+ * limit; a thread without a hook: FMC_STALL_MS for reads). */
+void fmc_stall_hook_set(void (*hook)(int begins), int64_t limit_ms);
 /* For a blocking send without a deadline: the socket's timeout passed with no byte moved
  * (*since: when that began, 0 at first); 1 while the send goes on, and the stall begins.  Only
  * on a thread with a hook: elsewhere the socket's timeout ends the send as it always did (a
@@ -117,11 +124,12 @@ int fmc_stall_over(int rc);
 
 /* A socket's SO_RCVTIMEO or SO_SNDTIMEO (`optname`), in milliseconds; 0: none. */
 void fmc_socket_timeout(int fd, int optname, int64_t ms);
+int64_t fmc_socket_timeout_get(int fd, int optname);
 int fmc_reader_init(fmc_reader *r, int fd, size_t cap);
 void fmc_reader_free(fmc_reader *r);
 static inline size_t fmc_reader_buffered(const fmc_reader *r) { return r->end - r->start; }
 /* Blocking reads of `r` give up at deadline_ms (a timeout, r->timed_out), through the socket's
- * receive timeout; 0 clears both. */
+ * receive timeout; 0 clears the deadline and puts base_timeout_ms back. */
 void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms);
 /* Make at least n (<= cap) bytes available; -1 on EOF/error. */
 int fmc_reader_fill(fmc_reader *r, size_t n);

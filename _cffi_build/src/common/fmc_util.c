@@ -70,6 +70,7 @@ int fmc_reader_init(fmc_reader *r, int fd, size_t cap)
     r->cap = cap;
     r->max_read = 0;
     r->deadline_ms = 0;
+    r->base_timeout_ms = 0;
     r->timed_out = 0;
     r->start = r->end = 0;
     r->buf = malloc(cap);
@@ -106,18 +107,23 @@ static void reader_compact(fmc_reader *r)
  * byte moved ask stall_goes_on whether to wait again. */
 static __thread void (*stall_hook)(int begins);
 static __thread void (*stall_begun)(int begins);
+static __thread int64_t stall_limit_ms = FMC_STALL_MS;
 
-void fmc_stall_hook_set(void (*hook)(int begins)) { stall_hook = hook; }
+void fmc_stall_hook_set(void (*hook)(int begins), int64_t limit_ms)
+{
+    stall_hook = hook;
+    stall_limit_ms = hook ? limit_ms : FMC_STALL_MS;
+}
 
 /* A blocking socket call waited out the socket's timeout without a byte moving; *since is when
- * that began (0: it just did).  1 while the call should go on waiting (less than FMC_STALL_MS
- * so far), and the thread's stall begins then. */
+ * that began (0: it just did).  1 while the call should go on waiting (less than the thread's
+ * limit so far), and the thread's stall begins then. */
 static int stall_goes_on(int64_t *since)
 {
     int64_t now = fmc_now_ms();
     if (!*since)
         *since = now;
-    if (now - *since >= FMC_STALL_MS)
+    if (stall_limit_ms && now - *since >= stall_limit_ms)
         return 0;
     if (stall_hook && !stall_begun) {
         stall_begun = stall_hook;
@@ -139,11 +145,11 @@ int fmc_stall_over(int rc)
     return rc;
 }
 
-/* A blocking recv of the reader that gave up with EAGAIN (a target's connection has a short
- * receive timeout, so that the serve pool can park a write whose payload stalls, see
- * fmc_reader_read_region_some) is tried again until FMC_STALL_MS pass without a byte, or until
- * the reader's deadline (r->timed_out is then set); *since is when the stall began (0: not
- * stalled). */
+/* A blocking recv of the reader that gave up with EAGAIN (served connections and streams have a
+ * short receive timeout, so that a pool worker can tell a stall, and the serve pool can park a
+ * write whose payload stalls, see fmc_reader_read_region_some) is tried again until the
+ * thread's stall limit passes without a byte, or until the reader's deadline (r->timed_out is
+ * then set); *since is when the stall began (0: not stalled). */
 static int keep_waiting(fmc_reader *r, int64_t *since)
 {
     if (errno != EAGAIN && errno != EWOULDBLOCK)
@@ -175,7 +181,7 @@ static int deadline_left(fmc_reader *r)
 void fmc_reader_set_deadline(fmc_reader *r, int64_t deadline_ms)
 {
     if (!deadline_ms && r->deadline_ms) /* the receive timeout it set goes too */
-        fmc_socket_timeout(r->fd, SO_RCVTIMEO, 0);
+        fmc_socket_timeout(r->fd, SO_RCVTIMEO, r->base_timeout_ms);
     r->deadline_ms = deadline_ms;
     r->timed_out = 0;
 }
@@ -469,6 +475,15 @@ void fmc_socket_timeout(int fd, int optname, int64_t ms)
     setsockopt(fd, SOL_SOCKET, optname, &tv, sizeof tv);
 }
 
+int64_t fmc_socket_timeout_get(int fd, int optname)
+{
+    struct timeval tv = {0};
+    socklen_t len = sizeof tv;
+    if (getsockopt(fd, SOL_SOCKET, optname, &tv, &len) != 0)
+        return 0;
+    return (int64_t)tv.tv_sec * 1000 + tv.tv_usec / 1000;
+}
+
 /* Skip the n bytes a partial sendmsg (or vmsplice) took. */
 void fmc_iov_advance(struct iovec **iovp, int *iovcnt, size_t n)
 {
@@ -502,9 +517,9 @@ int fmc_iov_merge(struct iovec *iov, int iovcnt)
  * waited for in poll() until deadline_ms (fmc_now_ms clock): -2 once it passed.  -1 on error. */
 static int sendv_until(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms);
 
-/* Without a deadline a send blocks; on a socket with a send timeout (a served connection's), a
- * timeout that passes with no byte taken is a stall, waited on until FMC_STALL_MS on a thread
- * with a stall hook (fmc_send_stall_goes_on). */
+/* Without a deadline a send blocks; on a socket with a send timeout (a served connection's or a
+ * stream's), a timeout that passes with no byte taken is a stall, waited on until the thread's
+ * stall limit on a thread with a stall hook (fmc_send_stall_goes_on). */
 static int sendv_loop(int fd, struct iovec *iov, int iovcnt, int flags, int64_t deadline_ms)
 {
     return fmc_stall_over(sendv_until(fd, iov, iovcnt, flags, deadline_ms));

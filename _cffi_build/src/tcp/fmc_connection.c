@@ -64,6 +64,16 @@ static int name_and_fence(int fd, uint32_t caps, uint64_t fenced, uint64_t *toke
     return a.id == 0 && a.status == FMC_OK && a.len == 0 ? FMC_OK : FMC_ERR_SOCKET;
 }
 
+/* A stream's socket, ready for its sides: its blocking calls time out every FMC_STALL_TICK_MS,
+ * so that the I/O pool's worker in one tells a peer that stalls (fmc_pool_stall, fmc_stream.c);
+ * a caller's deadline sets its own timeouts and puts these back. */
+static int stall_ticks(int fd)
+{
+    fmc_socket_timeout(fd, SO_RCVTIMEO, FMC_STALL_TICK_MS);
+    fmc_socket_timeout(fd, SO_SNDTIMEO, FMC_STALL_TICK_MS);
+    return fd;
+}
+
 /* One data connection to the peer, ready for requests: connected, the preamble exchanged (none
  * for Mooncake's framing), named, and, with `fenced` set, the target rid of that cut connection.
  * Returns the fd, or a negative code with the error set.  `*slot`, if given, holds the fd while
@@ -79,7 +89,7 @@ int fmc_open_data_connection(fmc_peer *p, int64_t deadline, uint64_t fenced, uin
         return fd;
     }
     if (p->proto == FMC_PROTO_MOONCAKE) /* Mooncake's framing has no preamble */
-        return fd;
+        return stall_ticks(fd);
     if (slot) {
         pthread_mutex_lock(&slot->mu);
         int closing = __atomic_load_n(&p->closed, __ATOMIC_ACQUIRE);
@@ -106,7 +116,6 @@ int fmc_open_data_connection(fmc_peer *p, int64_t deadline, uint64_t fenced, uin
         if (pr == FMC_ERR_TIMEOUT)
             pr = FMC_ERR_SOCKET;
     }
-    fmc_socket_timeout(fd, SO_RCVTIMEO, 0);
     if (slot) {
         pthread_mutex_lock(&slot->mu);
         slot->fd = -1;
@@ -116,7 +125,7 @@ int fmc_open_data_connection(fmc_peer *p, int64_t deadline, uint64_t fenced, uin
         close(fd);
         return pr;
     }
-    return fd;
+    return stall_ticks(fd);
 }
 
 /* Connect a stream cut by a cancel again.  Called by the last of its sides to leave the old
@@ -141,6 +150,7 @@ int fmc_stream_reconnect(fmc_stream *st)
         st->token = token;
         st->rd.fd = fd;
         st->rd.start = st->rd.end = 0;
+        st->rd.base_timeout_ms = FMC_STALL_TICK_MS;
         st->zc_link = 0; /* copied sends until fmc_zc_fence_attach finds the new far end */
         st->target_fd = -1;
         st->dead = 0;

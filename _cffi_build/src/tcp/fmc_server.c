@@ -23,9 +23,9 @@
 #define FMC_PREAMBLE_TIMEOUT_MS 5000
 /* A served connection's receive and send timeouts: a write's payload that stops coming for this
  * long is parked (receive_host_write) and its worker freed.  Other blocking reads within a
- * request, and sends of answers, wait on as stalls, outside the pool's cap (served_stall), up
+ * request, and sends of answers, wait on as stalls, outside the pool's cap (fmc_pool_stall), up
  * to FMC_STALL_MS without a byte (fmc_util.c): then the connection is dropped. */
-#define FMC_PARK_MS 50
+#define FMC_PARK_MS FMC_STALL_TICK_MS
 
 static fmc_worker_pool serve_pool; /* defined with serve_event below; counts the connections it serves */
 
@@ -215,7 +215,7 @@ static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
 }
 
 /* The queued answers, zero-copy payloads through this thread's pipe.  An initiator that stops
- * reading them makes this a stall after FMC_PARK_MS (served_stall). */
+ * reading them makes this a stall after FMC_PARK_MS (fmc_pool_stall). */
 static int send_answers(fmc_conn_state *cs)
 {
     if (!cs->niov)
@@ -1203,30 +1203,20 @@ static int watch_conn(fmc_conn_state *cs, int fd, int op)
  * worker directly. */
 #define SERVE_LINGER_MS 10
 
-/* A served connection's blocking read or send that waits out its socket's timeout (FMC_PARK_MS)
- * with no byte moved is a stall (fmc_stall_hook_set): the worker stops counting against the
- * pool's cap until that call ends, so initiators stopped mid-payload (a vector's, or one bound
- * for GPU memory, which are not parked) or not reading their answers cost a thread each, not the
- * other connections' turn; a payload or answers that keep moving keep their worker counted, so
- * the cap still bounds the threads of many busy connections. */
-static void served_stall(int begins)
-{
-    if (begins)
-        fmc_pool_blocking_begin();
-    else
-        fmc_pool_blocking_end();
-}
-
 static void serve_connection(void *owner);
 
 /* Serve a connection that has input until it runs dry (then it goes back to the pool's set) or
- * ends (then it is closed and freed). */
+ * ends (then it is closed and freed).  A blocking read or send of it that waits out its socket's
+ * timeout (FMC_PARK_MS) with no byte moved is a stall (fmc_pool_stall): initiators stopped
+ * mid-payload (a vector's, or one bound for GPU memory, which are not parked) or not reading
+ * their answers cost a thread each, not the other connections' turn, and are dropped after
+ * FMC_STALL_MS without a byte. */
 static void serve_event(void *owner, uint32_t events)
 {
     (void)events;
-    fmc_stall_hook_set(served_stall);
+    fmc_stall_hook_set(fmc_pool_stall, FMC_STALL_MS);
     serve_connection(owner);
-    fmc_stall_hook_set(NULL);
+    fmc_stall_hook_set(NULL, 0);
 }
 
 static void serve_connection(void *owner)

@@ -105,15 +105,14 @@ static int drain_pipe_plainly(int fd, int pipefd[2], size_t left, int flags, int
 }
 
 /* A blocking socket's sends give up after SO_SNDTIMEO (EAGAIN, or a short count): what is left
- * until deadline_ms, at least 1 ms, or 0 (no limit) to clear it.  splice() into a socket has no
- * non-blocking mode of its own (it follows the socket's O_NONBLOCK, which the stream's receive
- * side must not see), so this is how a zero-copy send keeps a caller's deadline. */
+ * until deadline_ms, at least 1 ms.  splice() into a socket has no non-blocking mode of its own
+ * (it follows the socket's O_NONBLOCK, which the stream's receive side must not see), so this is
+ * how a zero-copy send keeps a caller's deadline (fmc_sendv_zc puts the socket's own timeout
+ * back after it). */
 static void send_timeout(int fd, int64_t deadline_ms)
 {
-    int64_t left = deadline_ms < 0 ? 0 : deadline_ms - fmc_now_ms();
-    if (deadline_ms >= 0 && left < 1)
-        left = 1;
-    fmc_socket_timeout(fd, SO_SNDTIMEO, left);
+    int64_t left = deadline_ms - fmc_now_ms();
+    fmc_socket_timeout(fd, SO_SNDTIMEO, left < 1 ? 1 : left);
 }
 
 /* A run of payloads through the pipe, as many per vmsplice as the pipe holds (the small
@@ -196,11 +195,14 @@ static int sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, in
 
 int fmc_sendv_zc(int fd, struct iovec *iov, int iovcnt, const uint8_t *zc, int64_t deadline_ms)
 {
-    if (deadline_ms >= 0)
+    int64_t own = 0; /* the socket's send timeout outside the deadline (a stream's stall tick) */
+    if (deadline_ms >= 0) {
+        own = fmc_socket_timeout_get(fd, SO_SNDTIMEO);
         send_timeout(fd, deadline_ms);
+    }
     int rc = fmc_stall_over(sendv_zc(fd, iov, iovcnt, zc, thread_pipe, deadline_ms));
     if (deadline_ms >= 0)
-        send_timeout(fd, -1);
+        fmc_socket_timeout(fd, SO_SNDTIMEO, own);
     if (rc < 0)
         pipe_close(thread_pipe); /* pages spliced into it and never sent */
     return rc;

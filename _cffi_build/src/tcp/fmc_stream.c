@@ -503,6 +503,20 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
  * lossy links), for a copy the sender's CPU can afford at network rates. */
 static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enabled(st->peer->engine); }
 
+/* A staging chunk for a side that holds none: free now, or waited for (by the deadline, or until
+ * the stream dies) outside the I/O pool's cap, since other streams' pieces hold every one. */
+static fmc_chunk *first_chunk(fmc_stream *st, int cls, int dev, int64_t deadline_ms)
+{
+    fmc_stage_pool *pool = &st->peer->engine->stage;
+    fmc_chunk *k = fmc_stage_get(pool, cls, dev, 0, &st->dead);
+    if (!k) {
+        fmc_pool_blocking_begin();
+        k = fmc_stage_get(pool, cls, dev, deadline_ms, &st->dead);
+        fmc_pool_blocking_end();
+    }
+    return k;
+}
+
 /* A run of payloads spliced (counted for the engine's stats); by the deadline where one is set. */
 static int send_zc(fmc_stream *st, int fd, struct iovec *iov, int n, const uint8_t *zc, int64_t deadline_ms)
 {
@@ -595,7 +609,8 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         fmc_chunk *k = NULL;
         while (rc == 0 && !k) {
             if (count < FMC_STAGE_DEPTH)
-                k = fmc_stage_get(pool, FMC_STAGE_SEND, dev, count ? 0 : deadline_ms, &st->dead);
+                k = count ? fmc_stage_get(pool, FMC_STAGE_SEND, dev, 0, &st->dead)
+                          : first_chunk(st, FMC_STAGE_SEND, dev, deadline_ms);
             if (k || rc != 0)
                 break;
             if (!count) {
@@ -827,10 +842,8 @@ static int finish_handoff(fmc_stream *st)
         rc = -1;
     } else if (sc->rest_gpu || (sc->rest_nzc && stream_zc(st))) {
         pthread_mutex_unlock(&st->mu);
-        fmc_pool_blocking_begin();
         rc = sc->rest_gpu ? send_gpu_round(st, sc, sc->rest_n, nw, -1) /* nothing was sent: all of it */
                           : send_zc(st, fd, sc->rest, sc->rest_n, sc->zc + (sc->rest - sc->iov), -1);
-        fmc_pool_blocking_end();
         pthread_mutex_lock(&st->mu);
     } else {
         pthread_mutex_unlock(&st->mu);
@@ -1020,7 +1033,8 @@ static fmc_chunk *rx_chunk(fmc_stream *st, rx_ring *r, int dev, fmc_slice_list *
     for (;;) {
         if (r->count == FMC_STAGE_DEPTH)
             land_oldest(st, r, done);
-        fmc_chunk *k = fmc_stage_get(pool, FMC_STAGE_RECV, dev, r->count ? 0 : -1, &st->dead);
+        fmc_chunk *k = r->count ? fmc_stage_get(pool, FMC_STAGE_RECV, dev, 0, &st->dead)
+                                : first_chunk(st, FMC_STAGE_RECV, dev, -1);
         if (k || !r->count)
             return k;
         land_oldest(st, r, done);
@@ -1522,9 +1536,7 @@ static void rx_run(fmc_stream *st)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                fmc_pool_blocking_begin();
                 int got = receive_vector(st, rd, &a, first, k, gpu, &done);
-                fmc_pool_blocking_end();
                 if (got < 0) {
                     log_bad_answer(st, "a vector answer that does not fit its request");
                     broken = 1; /* `receiving` stays set: the exit path fails it */
@@ -1566,9 +1578,7 @@ static void rx_run(fmc_stream *st)
                 pthread_mutex_unlock(&st->mu);
                 fmc_slices_finish(done.head, FMC_TASK_PENDING); /* not held while the payload comes */
                 done.head = done.tail = NULL;
-                fmc_pool_blocking_begin();
                 int got = receive_payload(st, rd, s, gpu, &done);
-                fmc_pool_blocking_end();
                 if (got < 0 || zc_answer_void(st, &a)) {
                     s->answer_status = FMC_ERR_SOCKET; /* a GPU landing finishes with this status */
                     broken = 1; /* `receiving` stays set: the exit path fails it */
@@ -1625,8 +1635,14 @@ static void stream_event(void *owner, uint32_t events)
         pthread_mutex_unlock(&st->mu);
     }
     pthread_mutex_unlock(&h->mu);
+    /* A blocking send or receive that waits out the socket's stall tick with no byte moved is a
+     * stall (fmc_pool_stall): a peer that stops reading, or stops mid-answer, costs this worker,
+     * not the others' turn, while payloads that keep moving keep it counted against the cap.  No
+     * limit: the call's deadline, a cut or the peer's close ends such a wait. */
+    fmc_stall_hook_set(fmc_pool_stall, 0);
     if (side == 1)
         rx_run(st);
     else if (side == 2)
         tx_run(st);
+    fmc_stall_hook_set(NULL, 0);
 }

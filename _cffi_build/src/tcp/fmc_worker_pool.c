@@ -112,9 +112,7 @@ static int spawn_locked(fmc_worker_pool *pool)
 
 /* Threads a pool may hold beyond its cap for workers inside fmc_pool_blocking_begin/end: so many
  * peers stalled at once are each waited on while the others keep their turn; past them new work
- * waits for a thread.  Those sections are also where spliced and GPU sends and answers' payloads
- * go, so with many transfers in flight at once the pool holds at most this many more than its
- * cap (the 64-peer budget of 2 x CPUs + 8 threads counts on it). */
+ * waits for a thread.  (The 64-peer budget of 2 x CPUs + 8 threads counts on it.) */
 #define FMC_POOL_BLOCKED_SPARE 8
 
 /* Nobody is left watching the set and the cap allows one more: start it.  Returns 1 where
@@ -359,6 +357,14 @@ void fmc_pool_blocking_end(void)
     fmc_worker_pool *pool = my_pool;
     if (pool)
         add(&pool->blocked, -1);
+}
+
+void fmc_pool_stall(int begins)
+{
+    if (begins)
+        fmc_pool_blocking_begin();
+    else
+        fmc_pool_blocking_end();
 }
 
 int fmc_pool_linger_begin(fmc_pool_lingerer *l)

@@ -80,6 +80,10 @@ int fmc_pool_watch(fmc_worker_pool *pool, int fd, void *owner, uint32_t events, 
  * so a stalled peer never starves the others.  No-ops outside the pool's workers. */
 void fmc_pool_blocking_begin(void);
 void fmc_pool_blocking_end(void);
+/* A worker's stall hook (fmc_stall_hook_set): a blocking socket call that waits out its socket's
+ * timeout with no byte moved is such a wait, until the call ends.  Bytes that keep moving keep
+ * the worker counted, so the cap bounds the threads of busy connections. */
+void fmc_pool_stall(int begins);
 /* A worker whose owner just ran dry may wait for that owner's next work alone, outside the set,
  * when the pool can spare it: some other worker still watches the set, and fewer than
  * linger_max workers linger.  Its owner's next work then wakes this worker directly, as a thread
