@@ -1,4 +1,4 @@
-"""Read answers of 128 KiB or more leave the target zero-copy (fmc_wire.h, fmc_server.c): the
+"""Read answers of 1 MiB or more leave the target zero-copy (fmc_wire.h, fmc_server.c): the
 initiator copies them out of the target's registered pages only when it reads its socket.  These
 tests hold the protocol to what makes that safe:
 
@@ -95,7 +95,7 @@ def test_only_initiators_that_acknowledge_get_zero_copy_answers(core):
 
 
 def test_an_acknowledged_answer_lets_unregister_return_at_once(core):
-    size = 512 * KIB
+    size = 2 * MIB
     buf, other = HostBuffer(size), HostBuffer(size)
     try:
         buf.fill_random()
@@ -126,7 +126,7 @@ def test_an_acknowledged_answer_lets_unregister_return_at_once(core):
 
 
 def test_unread_answers_make_unregister_reset_the_connection_before_it_returns(core):
-    size = 512 * KIB
+    size = 2 * MIB
     buf = HostBuffer(size)
     try:
         buf.fill_random()
@@ -152,7 +152,7 @@ def test_unread_answers_make_unregister_reset_the_connection_before_it_returns(c
 
 
 def test_acknowledging_more_answers_than_were_sent_drops_the_connection(core):
-    buf = HostBuffer(256 * KIB)
+    buf = HostBuffer(1 * MIB)
     try:
         key = core.register(buf.addr, buf.size)
         with _connect(core, PREAMBLE_READ_ACKS)[0] as s:
@@ -201,18 +201,19 @@ def test_reads_bring_the_same_bytes_with_zero_copy_on_and_off(zero_copy):
         target.close()
 
 
-def test_small_reads_whose_caller_takes_the_answer_still_acknowledge_it():
-    """A small synchronous read's caller reads its (zero-copy) answer itself; the acknowledgement
-    it owes still goes out once the stream is idle, so the target lets the region go at once."""
-    size, block = 2 * MIB, 4 * KIB
+def test_reads_whose_caller_takes_answers_still_acknowledge_them():
+    """A synchronous read over several streams has its caller read a share of its (zero-copy)
+    answers itself; the acknowledgements it owes still go out once the streams are idle, so the
+    target lets the region go at once."""
+    size, block = 16 * MIB, 1 * MIB
     target = NodeProcess(regions=[size], config={"transport": "tcp"})
-    eng = TransferEngine(transfer_timeout=10.0, transport="tcp")
+    eng = TransferEngine(transfer_timeout=10.0, transport="tcp", streams_per_peer=4)
     buf = HostBuffer(size)
     try:
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert eng.register_memory(buf.addr, size) == 0
         digest = target.call("fill", region=0, offset=0, length=size)["digest"]
-        per_call = 64 * block  # 256 KiB: one stream, answered zero-copy
+        per_call = 4 * block  # a 1 MiB share per stream, each answered zero-copy
         for i, start in enumerate(range(0, size, per_call)):
             offs = list(range(start, start + per_call, block))
             assert eng.batch_transfer_sync_read(target.session, [buf.addr + o for o in offs],

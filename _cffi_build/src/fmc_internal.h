@@ -187,7 +187,15 @@ int fmc_socket_reset(int fd);
  * calling thread, opened on first use and closed with the thread), the rest through sendmsg.  Only
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
-#define FMC_ZC_MIN_BYTES (128u << 10)
+/* Payloads (a write's, or a read answer; a vector's all together) of this many bytes or more go
+ * zero-copy.  Below it, splicing cost more than it saved between processes of one host: on 16
+ * cores calls that put 256-512 KiB on each stream (4 MiB of 64 KiB blocks, 2 MiB of 512 KiB)
+ * moved 1.1-1.45x faster copied, and on 2 cores 128-512 KiB payloads 1.07-1.7x; from 1 MiB on,
+ * splicing moved 1.15-1.4x faster (BENCHMARKS.md). */
+#define FMC_ZC_MIN_BYTES (1u << 20)
+/* The smallest write payload an initiator of any version may have spliced (128 KiB before):
+ * the target checks such payloads for a reset before they land (fmc_server.c). */
+#define FMC_ZC_MAYBE_SPLICED_BYTES (128u << 10)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
 /* deadline_ms >= 0: give up at that time (fmc_now_ms clock), -2; else blocking.  -1 on error. */

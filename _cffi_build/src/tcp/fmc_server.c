@@ -205,13 +205,13 @@ static void push_payload(fmc_conn_state *cs, void *data, uint64_t len, int zc)
     cs->out_bytes += len;
 }
 
-/* A write payload of FMC_ZC_MIN_BYTES or more may have been sent zero-copy (fmc_splice.c): its
+/* A write payload of FMC_ZC_MAYBE_SPLICED_BYTES or more may have been sent zero-copy (fmc_splice.c): its
  * bytes are read out of the initiator's pages only now.  An initiator that reset the connection
  * has failed that call and may be reusing those pages, so such a payload must not land: one
  * poll() says whether the connection was reset (bytes queued before the reset stay readable). */
 static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
 {
-    return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
+    return payload_len >= FMC_ZC_MAYBE_SPLICED_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
 /* The queued answers, zero-copy payloads through this thread's pipe.  An initiator that stops
