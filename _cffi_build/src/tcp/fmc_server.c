@@ -115,12 +115,13 @@ static void release_held(fmc_conn_state *cs)
 static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 static void push_header(fmc_conn_state *cs, uint64_t id, int32_t status, uint64_t len, uint32_t flags);
 
-/* Take a read answer of `bytes` from host regions `regs` (NULLs skipped) into the zero-copy
- * ledger; 0 (copy it instead) when the connection does not do zero-copy answers, the answer is
- * small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
+/* Take a read answer of `bytes` from host regions `regs` (NULLs skipped; n > 1: a vector's) into
+ * the zero-copy ledger; 0 (copy it instead) when the connection does not do zero-copy answers,
+ * the answer is small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
 static int zc_claim(fmc_conn_state *cs, fmc_region *const *regs, int n, uint64_t bytes)
 {
-    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled(cs->e))
+    if (!cs->zc_reads || bytes < (n > 1 ? FMC_ZC_VEC_MIN_BYTES : FMC_ZC_MIN_BYTES) ||
+        cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled(cs->e))
         return 0;
     fmc_zc_answer a = {.n = 0};
     int fresh = 0; /* holds this answer needs that do not exist yet */
