@@ -201,43 +201,13 @@ def test_reads_bring_the_same_bytes_with_zero_copy_on_and_off(zero_copy):
         target.close()
 
 
-def test_small_reads_whose_caller_takes_the_answer_still_acknowledge_it():
-    """A small synchronous read's caller reads its (zero-copy) answer itself; the acknowledgement
-    it owes still goes out once the stream is idle, so the target lets the region go at once."""
-    size, block = 2 * MIB, 4 * KIB
-    target = NodeProcess(regions=[size], config={"transport": "tcp"})
-    eng = TransferEngine(transfer_timeout=10.0, transport="tcp")
-    buf = HostBuffer(size)
-    try:
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        assert eng.register_memory(buf.addr, size) == 0
-        digest = target.call("fill", region=0, offset=0, length=size)["digest"]
-        per_call = 64 * block  # 256 KiB: one stream, one vector, answered zero-copy
-        for i, start in enumerate(range(0, size, per_call)):
-            offs = list(range(start, start + per_call, block))
-            assert eng.batch_transfer_sync_read(target.session, [buf.addr + o for o in offs],
-                                                [target.addr(0, o) for o in offs], [block] * len(offs)) == 0
-            # Quiet gaps longer than the acknowledgement's 2 ms: any timer queued before the call
-            # fires in the gap after it, so the last answer's ack needs its own (the caller's).
-            time.sleep(0.02 if i == 0 else 0.005)
-        assert buf.digest(0, size) == digest
-        assert target.call("stats")["zero_copy_answers"] > 0
-        time.sleep(0.05)  # idle for longer than the acknowledgement's 2 ms
-        started = time.monotonic()
-        target.call("unregister", region=0)
-        assert time.monotonic() - started < UNREGISTER_GRACE_S * 0.5  # not the grace of an unacknowledged one
-        assert target.call("stats")["zero_copy_resets"] == 0
-    finally:
-        eng.close()
-        buf.close()
-        target.close()
-
-
-def test_reads_whose_caller_takes_answers_still_acknowledge_them():
-    """A synchronous read over several streams has its caller read a share of its (zero-copy)
-    answers itself; the acknowledgements it owes still go out once the streams are idle, so the
-    target lets the region go at once."""
-    size, block = 16 * MIB, 1 * MIB
+@pytest.mark.parametrize("block,per_call,size", [(4 * KIB, 256 * KIB, 2 * MIB), (1 * MIB, 4 * MIB, 16 * MIB)],
+                         ids=["small-call-one-vector", "shares-of-1MiB"])
+def test_reads_whose_caller_takes_the_answers_still_acknowledge_them(block, per_call, size):
+    """A synchronous read's caller reads zero-copy answers itself: a small call's whole answer
+    (one stream, one vector of 64 blocks), or a share of a larger call's (1 MiB per stream).
+    The acknowledgements it owes still go out once the streams are idle, so the target lets the
+    region go at once."""
     target = NodeProcess(regions=[size], config={"transport": "tcp"})
     eng = TransferEngine(transfer_timeout=10.0, transport="tcp", streams_per_peer=4)
     buf = HostBuffer(size)
@@ -245,7 +215,6 @@ def test_reads_whose_caller_takes_answers_still_acknowledge_them():
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert eng.register_memory(buf.addr, size) == 0
         digest = target.call("fill", region=0, offset=0, length=size)["digest"]
-        per_call = 4 * block  # a 1 MiB share per stream, each answered zero-copy
         for i, start in enumerate(range(0, size, per_call)):
             offs = list(range(start, start + per_call, block))
             assert eng.batch_transfer_sync_read(target.session, [buf.addr + o for o in offs],
