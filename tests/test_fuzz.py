@@ -51,7 +51,7 @@ PREAMBLE_READ_ACKS = 4           # fmc_wire.h: zero-copy read answers, acknowled
 CAP_VECTORS, CAP_ZC_READS, CAP_FENCE = 1, 2, 4  # fmc_wire.h: the preamble answer's capabilities
 OP_NAME, OP_FENCE = 6, 7  # fmc_wire.h: name a connection (no answer); fence a named one (answered)
 ZERO_COPY = os.environ.get("FLAGCX_MC_ZEROCOPY", "1")[:1] != "0"
-# Every read here is far below the zero-copy thresholds (128 KiB for vectors): no answer is flagged, nothing
+# Every read here is far below the zero-copy threshold (128 KiB): no answer is flagged, nothing
 # is ever outstanding, so an acknowledgement (opcode 5) is always a protocol error.
 VEC_ENTRY = struct.Struct("<IIQQ")  # key, reserved, addr, len
 VEC_MAX, VEC_ENTRY_MAX = 256, 64 << 10

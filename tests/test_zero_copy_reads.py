@@ -1,4 +1,4 @@
-"""Read answers of 1 MiB or more (vectors: 128 KiB) leave the target zero-copy (fmc_wire.h, fmc_server.c): the
+"""Read answers of 128 KiB or more leave the target zero-copy (fmc_wire.h, fmc_server.c): the
 initiator copies them out of the target's registered pages only when it reads its socket.  These
 tests hold the protocol to what makes that safe:
 

@@ -187,17 +187,7 @@ int fmc_socket_reset(int fd);
  * calling thread, opened on first use and closed with the thread), the rest through sendmsg.  Only
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
-/* A single payload (a write's, or a read answer) of this many bytes or more goes zero-copy, and
- * so do a vector's payloads of FMC_ZC_VEC_MIN_BYTES or more together.  Below them, splicing cost
- * more than the copy it saved between processes of one host: single payloads of 128-512 KiB
- * moved 1.02-1.45x faster copied on 16 cores and 1.07-1.7x on 2, and from 1 MiB on splicing
- * moved 1.15-1.4x faster; a vector of many small payloads moved as fast or up to 1.6x faster
- * spliced from 128 KiB on 2 cores (BENCHMARKS.md). */
-#define FMC_ZC_MIN_BYTES (1u << 20)
-#define FMC_ZC_VEC_MIN_BYTES (128u << 10)
-/* The smallest single write payload an initiator of any version may have spliced (128 KiB
- * before): the target checks such payloads for a reset before they land (fmc_server.c). */
-#define FMC_ZC_MAYBE_SPLICED_BYTES (128u << 10)
+#define FMC_ZC_MIN_BYTES (128u << 10)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
 /* deadline_ms >= 0: give up at that time (fmc_now_ms clock), -2; else blocking.  -1 on error. */

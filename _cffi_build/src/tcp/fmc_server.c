@@ -115,13 +115,12 @@ static void release_held(fmc_conn_state *cs)
 static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *data, uint64_t len);
 static void push_header(fmc_conn_state *cs, uint64_t id, int32_t status, uint64_t len, uint32_t flags);
 
-/* Take a read answer of `bytes` from host regions `regs` (NULLs skipped; n > 1: a vector's) into
- * the zero-copy ledger; 0 (copy it instead) when the connection does not do zero-copy answers,
- * the answer is small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
+/* Take a read answer of `bytes` from host regions `regs` (NULLs skipped) into the zero-copy
+ * ledger; 0 (copy it instead) when the connection does not do zero-copy answers, the answer is
+ * small, or the ledger has no room.  Its regions stay pinned until zc_acknowledge. */
 static int zc_claim(fmc_conn_state *cs, fmc_region *const *regs, int n, uint64_t bytes)
 {
-    if (!cs->zc_reads || bytes < (n > 1 ? FMC_ZC_VEC_MIN_BYTES : FMC_ZC_MIN_BYTES) ||
-        cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled(cs->e))
+    if (!cs->zc_reads || bytes < FMC_ZC_MIN_BYTES || cs->ledger_count == ZC_LEDGER || !fmc_zc_enabled(cs->e))
         return 0;
     fmc_zc_answer a = {.n = 0};
     int fresh = 0; /* holds this answer needs that do not exist yet */
@@ -206,13 +205,13 @@ static void push_payload(fmc_conn_state *cs, void *data, uint64_t len, int zc)
     cs->out_bytes += len;
 }
 
-/* A write payload of FMC_ZC_MAYBE_SPLICED_BYTES or more may have been sent zero-copy (fmc_splice.c): its
+/* A write payload of FMC_ZC_MIN_BYTES or more may have been sent zero-copy (fmc_splice.c): its
  * bytes are read out of the initiator's pages only now.  An initiator that reset the connection
  * has failed that call and may be reusing those pages, so such a payload must not land: one
  * poll() says whether the connection was reset (bytes queued before the reset stay readable). */
 static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
 {
-    return payload_len >= FMC_ZC_MAYBE_SPLICED_BYTES && fmc_socket_reset(cs->c->fd);
+    return payload_len >= FMC_ZC_MIN_BYTES && fmc_socket_reset(cs->c->fd);
 }
 
 /* The queued answers, zero-copy payloads through this thread's pipe.  An initiator that stops

@@ -457,10 +457,9 @@ static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc);
 /* A write payload that may leave zero-copy (fmc_splice.c): host memory (GPU sources are staged
  * in a buffer the next round reuses), large enough to pay for the extra syscalls, and to our own
  * targets, which check for a reset before it lands. */
-static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len, int vector)
+static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
 {
-    return local_dev < 0 && len >= (vector ? FMC_ZC_VEC_MIN_BYTES : FMC_ZC_MIN_BYTES) &&
-           st->peer->proto == FMC_PROTO_NATIVE;
+    return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
 }
 
 /* Small slices of one batch travel as vectors when the target takes them, from and into host or
@@ -728,7 +727,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             const fmc_slice *y = s;
             for (int j = 0; is_write && j < k; j++, y = y->next) /* linked in order on `inflight` */
                 dev = y->local_dev >= 0 ? y->local_dev : dev;
-            int zc = is_write && zero_copy_payload(st, dev, sum, 1);
+            int zc = is_write && zero_copy_payload(st, dev, sum);
             nzc += zc;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
                 sc->zc[niov] = (uint8_t)zc;
@@ -749,7 +748,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
         bytes += hlen;
         if (is_write) {
-            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s->local_dev, s->len, 0);
+            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s->local_dev, s->len);
             nzc += sc->zc[niov];
             sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
             bytes += s->len;
