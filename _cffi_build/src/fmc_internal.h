@@ -188,6 +188,11 @@ int fmc_socket_reset(int fd);
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
+/* A write payload of a call spread over several streams (a share, not a vector's) goes zero-copy
+ * only from this size: between processes of one host, shares of 128-512 KiB moved 1.02-1.45x
+ * faster copied on 16 cores and 1.2-1.7x on 2, where a call sent whole on one stream moved
+ * faster spliced (BENCHMARKS.md). */
+#define FMC_ZC_SHARE_MIN_BYTES (1u << 20)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
 /* deadline_ms >= 0: give up at that time (fmc_now_ms clock), -2; else blocking.  -1 on error. */
@@ -509,6 +514,8 @@ struct fmc_batch {
     int cancelled;
     int counts_end;      /* its end counts in the engine's batches_ended (started for a poller) */
     int local_gpu;       /* some task's local range is GPU memory (a synchronous caller polls longer) */
+    int spread;          /* tcp: its slices went out over more than one stream (shares, see
+                          * FMC_ZC_SHARE_MIN_BYTES) */
     uint64_t bytes;
     int32_t *task_status;   /* FMC_TASK_PENDING, 0, or <0 */
     int32_t *task_remaining;

@@ -455,11 +455,13 @@ typedef struct send_scratch {
 static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc);
 
 /* A write payload that may leave zero-copy (fmc_splice.c): host memory (GPU sources are staged
- * in a buffer the next round reuses), large enough to pay for the extra syscalls, and to our own
- * targets, which check for a reset before it lands. */
-static int zero_copy_payload(const fmc_stream *st, int local_dev, uint64_t len)
+ * in a buffer the next round reuses), large enough to pay for the extra syscalls (a share of a
+ * call spread over several streams: FMC_ZC_SHARE_MIN_BYTES), and to our own targets, which check
+ * for a reset before it lands. */
+static int zero_copy_payload(const fmc_stream *st, const fmc_slice *s, int local_dev, uint64_t len, int vector)
 {
-    return local_dev < 0 && len >= FMC_ZC_MIN_BYTES && st->peer->proto == FMC_PROTO_NATIVE;
+    uint64_t least = vector || !s->batch->spread ? FMC_ZC_MIN_BYTES : FMC_ZC_SHARE_MIN_BYTES;
+    return local_dev < 0 && len >= least && st->peer->proto == FMC_PROTO_NATIVE;
 }
 
 /* Small slices of one batch travel as vectors when the target takes them, from and into host or
@@ -727,7 +729,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
             const fmc_slice *y = s;
             for (int j = 0; is_write && j < k; j++, y = y->next) /* linked in order on `inflight` */
                 dev = y->local_dev >= 0 ? y->local_dev : dev;
-            int zc = is_write && zero_copy_payload(st, dev, sum);
+            int zc = is_write && zero_copy_payload(st, s, dev, sum, 1);
             nzc += zc;
             for (fmc_slice *x = s; is_write && k--; x = x->next) {
                 sc->zc[niov] = (uint8_t)zc;
@@ -748,7 +750,7 @@ static int send_round(fmc_stream *st, int64_t deadline_ms)
         sc->iov[niov++] = (struct iovec){.iov_base = sc->hdr[nh++], .iov_len = hlen};
         bytes += hlen;
         if (is_write) {
-            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s->local_dev, s->len);
+            sc->zc[niov] = (uint8_t)zero_copy_payload(st, s, s->local_dev, s->len, 0);
             nzc += sc->zc[niov];
             sc->iov[niov++] = (struct iovec){.iov_base = (void *)(uintptr_t)s->local, .iov_len = s->len};
             bytes += s->len;

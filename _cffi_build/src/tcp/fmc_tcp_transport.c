@@ -166,6 +166,7 @@ static int tcp_submit(const fmc_transfer_req *req, fmc_batch **out, void **calle
             used++;
             last_used = i;
         }
+    b->spread = used > 1;
     /* The calling thread sends on idle streams itself (no sender-thread wake-up) a small transfer
      * that fits one stream, and a synchronous read's requests on every stream: they carry no
      * payload, and each wake-up spared costs tens of microseconds on a loaded small machine.
