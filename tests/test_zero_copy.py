@@ -47,9 +47,10 @@ def test_source_rewritten_right_after_each_write_never_reaches_the_target(target
 
 
 def test_shares_of_a_call_over_several_streams_are_copied_below_1_mib(target):
-    """A call sent whole on one stream splices its payload from 128 KiB, and so does a vector of
-    small blocks; a share of a call spread over several streams splices only from 1 MiB (shares
-    of 128-512 KiB moved faster copied).  Every byte lands."""
+    """A call that travels whole on one stream splices its write payload, or gets its read answer
+    spliced, from 128 KiB, and so does a vector of small blocks; a share of a call spread over
+    several streams only from 1 MiB (shares of 128-512 KiB moved faster copied).  Every byte
+    lands."""
     kib = 1 << 10
     eng = TransferEngine(transfer_timeout=10.0, streams_per_peer=4)
     assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -57,25 +58,33 @@ def test_shares_of_a_call_over_several_streams_are_copied_below_1_mib(target):
     try:
         assert eng.register_memory(buf.addr, SIZE) == 0
 
-        def spliced_by(blocks: int, block: int) -> int:
-            digest = buf.fill_random(0, blocks * block)
-            before = eng.stats()["zero_copy_sends"]
-            assert eng.batch_transfer_sync_write(target.session, [buf.addr + i * block for i in range(blocks)],
-                                                 [target.addr(0, i * block) for i in range(blocks)],
-                                                 [block] * blocks) == 0
-            assert target.call("digest", region=0, offset=0, length=blocks * block)["digest"] == digest
-            return eng.stats()["zero_copy_sends"] - before
+        def spliced_by(op: str, blocks: int, block: int) -> int:
+            local = [buf.addr + i * block for i in range(blocks)]
+            remote = [target.addr(0, i * block) for i in range(blocks)]
+            if op == "write":
+                digest = buf.fill_random(0, blocks * block)
+                before = eng.stats()["zero_copy_sends"]
+                assert eng.batch_transfer_sync_write(target.session, local, remote, [block] * blocks) == 0
+                assert target.call("digest", region=0, offset=0, length=blocks * block)["digest"] == digest
+                return eng.stats()["zero_copy_sends"] - before
+            digest = target.call("fill", region=0, offset=0, length=blocks * block)["digest"]
+            buf.fill(0, 0, blocks * block)
+            before = target.call("stats")["zero_copy_answers"]
+            assert eng.batch_transfer_sync_read(target.session, local, remote, [block] * blocks) == 0
+            assert buf.digest(0, blocks * block) == digest
+            return target.call("stats")["zero_copy_answers"] - before
 
         for _ in range(3):  # the session connects its four streams for the calls after the first
-            spliced_by(4, 4 * MIB)
+            spliced_by("write", 4, 4 * MIB)
             time.sleep(0.1)
-        if spliced_by(4, 4 * MIB) == 0:
+        if spliced_by("write", 4, 4 * MIB) == 0:
             pytest.skip("zero-copy sends are not used here (the target's end of a connection cannot be taken)")
-        assert spliced_by(1, 256 * kib) >= 1  # whole on one stream
-        assert spliced_by(64, 4 * kib) >= 1  # one vector of 256 KiB
-        assert spliced_by(4, 256 * kib) == 0  # four shares of 256 KiB
-        assert spliced_by(4, 512 * kib) == 0
-        assert spliced_by(4, 1 * MIB) >= 1
+        for op in ("write", "read"):
+            assert spliced_by(op, 1, 256 * kib) >= 1, op  # whole on one stream
+            assert spliced_by(op, 64, 4 * kib) >= 1, op  # one vector of 256 KiB
+            assert spliced_by(op, 4, 256 * kib) == 0, op  # four shares of 256 KiB
+            assert spliced_by(op, 4, 512 * kib) == 0, op
+            assert spliced_by(op, 4, 1 * MIB) >= 1, op
     finally:
         eng.close()
         buf.close()

@@ -188,10 +188,10 @@ int fmc_socket_reset(int fd);
  * for memory that stays untouched until the peer has read it: write payloads from the caller,
  * read answers the initiator has yet to acknowledge (fmc_wire.h). */
 #define FMC_ZC_MIN_BYTES (128u << 10)
-/* A write payload of a call spread over several streams (a share, not a vector's) goes zero-copy
- * only from this size: between processes of one host, shares of 128-512 KiB moved 1.02-1.45x
- * faster copied on 16 cores and 1.2-1.7x on 2, where a call sent whole on one stream moved
- * faster spliced (BENCHMARKS.md). */
+/* A share of a call spread over several streams (a write payload, or a read answer asked for
+ * with FMC_REQ_SHARE; not a vector's) goes zero-copy only from this size: between processes of
+ * one host, shares of 128-512 KiB moved 1.02-1.45x faster copied on 16 cores and 1.07-1.7x on
+ * 2, where a call sent whole on one stream moved faster spliced (BENCHMARKS.md). */
 #define FMC_ZC_SHARE_MIN_BYTES (1u << 20)
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */

@@ -475,12 +475,15 @@ static void push_answer(fmc_conn_state *cs, uint64_t id, int32_t status, void *d
         push_payload(cs, data, len, 0);
 }
 
-/* A successful read from host region r, zero-copy when the ledger takes it. */
-static void queue_read_answer(fmc_conn_state *cs, uint64_t id, fmc_region *r, uint64_t addr, uint64_t len)
+/* A successful read from host region r, zero-copy when the ledger takes it (a share of a call
+ * spread over several streams, FMC_REQ_SHARE, only from FMC_ZC_SHARE_MIN_BYTES: copied, such
+ * answers moved faster). */
+static void queue_read_answer(fmc_conn_state *cs, const fmc_req *q, fmc_region *r)
 {
     land_all(cs);
     cs->read_pins[cs->nread_pins++] = r;
-    int zc = zc_claim(cs, &r, 1, len);
+    uint64_t id = q->id, addr = q->addr, len = q->len;
+    int zc = ((q->flags & FMC_REQ_SHARE) == 0 || len >= FMC_ZC_SHARE_MIN_BYTES) && zc_claim(cs, &r, 1, len);
     push_header(cs, id, FMC_OK, len, zc ? FMC_RESP_ZC : 0);
     push_payload(cs, (void *)(uintptr_t)addr, len, zc);
 }
@@ -1071,7 +1074,7 @@ static int serve_some(fmc_conn_state *cs)
             if (send_from_gpu(cs, r, q.id, q.addr, q.len) < 0)
                 break;
         } else if (r) {
-            queue_read_answer(cs, q.id, r, q.addr, q.len);
+            queue_read_answer(cs, &q, r);
             cs->served_out += q.len;
         } else {
             refuse(cs, &q);

@@ -493,6 +493,7 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
     if (proto == FMC_PROTO_MOONCAKE)
         return fmc_mc_encode_request(s, is_write, out);
     fmc_req q = {.opcode = is_write ? FMC_WIRE_OP_WRITE : FMC_WIRE_OP_READ,
+                 .flags = !is_write && s->batch->spread ? FMC_REQ_SHARE : 0,
                  .key = s->key, .id = s->id, .addr = s->remote, .len = s->len};
     fmc_req_encode(out, &q);
     return FMC_REQ_SIZE;

@@ -25,6 +25,10 @@
  * whose status is 0, and len = 4n + those bytes.  A vector of small slices costs one header and
  * one answer, and each side moves its payloads with one scatter/gather call and no extra copy.
  *
+ * A read request (opcode 2) with FMC_REQ_SHARE in its flags is a share of a call spread over
+ * several streams: a target copies such an answer below FMC_ZC_SHARE_MIN_BYTES instead of sending
+ * it zero-copy (below).  Targets ignore flags they do not know.
+ *
  * Zero-copy read answers (when the initiator sets FMC_PREAMBLE_READ_ACKS and the target's answer
  * carries FMC_CAP_ZC_READS): the target may send a read answer's payload from its registered
  * pages without copying them (vmsplice + splice), flagging the answer FMC_RESP_ZC in the answer's
@@ -70,6 +74,7 @@
 #define FMC_CAP_ZC_READS 2u        /* preamble answer: read answers may be zero-copy (acks wanted) */
 #define FMC_CAP_FENCE 4u           /* preamble answer: this target takes names and fences */
 #define FMC_RESP_ZC 1u             /* answer flag: zero-copy payload, acknowledge it */
+#define FMC_REQ_SHARE 1u           /* read request flag: a share of a spread call (above) */
 #define FMC_VEC_MAX 256            /* entries in one vector */
 #define FMC_VEC_ENTRY_MAX (64u << 10) /* largest entry: bigger slices go alone (no gain, and a
                                        * refused entry is skipped through a buffer this size) */
