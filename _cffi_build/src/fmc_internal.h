@@ -303,7 +303,7 @@ void fmc_stage_pool_init(fmc_stage_pool *p, uint64_t bytes);
 void fmc_stage_pool_free(fmc_stage_pool *p);
 /* A chunk of class `cls` for copies of `device`: deadline_ms 0 = only one free now, < 0 = wait
  * as long as it takes, else until that time (fmc_now_ms); a wait also ends when *stop turns
- * non-zero.  NULL if none. */
+ * non-zero, and a pool worker waits outside its pool's cap.  NULL if none. */
 fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadline_ms, const int *stop);
 void fmc_stage_put(fmc_stage_pool *p, fmc_chunk *c);
 /* Queue one piece's copies between `device` and `chunk` (fmc_cuda_gather_async: into GPU memory

@@ -53,7 +53,9 @@ static fmc_chunk *make_chunk(int cls, int device)
     return k;
 }
 
-fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadline_ms, const int *stop)
+/* fmc_stage_get; *blocking set once the caller waits outside its pool's cap. */
+static fmc_chunk *stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadline_ms, const int *stop,
+                            int *blocking)
 {
     pthread_mutex_lock(&p->mu);
     for (;;) {
@@ -79,6 +81,13 @@ fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadlin
         int64_t now = fmc_now_ms();
         if (deadline_ms == 0 || (deadline_ms > 0 && now >= deadline_ms) || (stop && __atomic_load_n(stop, __ATOMIC_RELAXED)))
             break;
+        if (!*blocking) { /* outside p->mu: it may start a thread */
+            pthread_mutex_unlock(&p->mu);
+            fmc_pool_blocking_begin();
+            *blocking = 1;
+            pthread_mutex_lock(&p->mu);
+            continue; /* a chunk may have come back meanwhile */
+        }
         int64_t wait = deadline_ms < 0 || deadline_ms - now > STAGE_WAIT_SLICE_MS ? STAGE_WAIT_SLICE_MS
                                                                                  : deadline_ms - now;
         struct timespec ts;
@@ -92,6 +101,17 @@ fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadlin
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
+}
+
+/* A wait here is for chunks that other connections hold, maybe while their peers stall: a pool
+ * worker waits outside its pool's cap (fmc_pool_blocking_begin; a no-op on other threads). */
+fmc_chunk *fmc_stage_get(fmc_stage_pool *p, int cls, int device, int64_t deadline_ms, const int *stop)
+{
+    int blocking = 0;
+    fmc_chunk *k = stage_get(p, cls, device, deadline_ms, stop, &blocking);
+    if (blocking)
+        fmc_pool_blocking_end();
+    return k;
 }
 
 void fmc_stage_put(fmc_stage_pool *p, fmc_chunk *k)

@@ -331,20 +331,15 @@ static void land_all(fmc_conn_state *cs)
 /* A staging chunk of class `cls` for a piece on `dev`: the connection holds at most
  * FMC_STAGE_DEPTH (in the pipeline or under queued answers); at that many, or with none free in
  * the pool, queued answers are sent, else the oldest piece lands, and the chunk is asked for
- * again.  Only a connection that holds none waits for the pool, and that wait is a stall outside
- * the pool's count: the chunks may be held by connections whose initiators stopped mid-payload,
- * for as long as their receives wait.  NULL: cut, or no memory. */
+ * again.  Only a connection that holds none waits for the pool (outside the pool's count,
+ * fmc_stage_get: the chunks may be held by connections whose initiators stopped mid-payload).
+ * NULL: cut, or no memory. */
 static fmc_chunk *conn_chunk(fmc_conn_state *cs, int cls, int dev)
 {
     for (;;) {
         int held = cs->land_count + cs->nattached;
         if (held < FMC_STAGE_DEPTH) {
-            fmc_chunk *k = fmc_stage_get(&cs->e->stage, cls, dev, 0, &cs->c->cut);
-            if (!k && !held) {
-                fmc_pool_blocking_begin();
-                k = fmc_stage_get(&cs->e->stage, cls, dev, -1, &cs->c->cut);
-                fmc_pool_blocking_end();
-            }
+            fmc_chunk *k = fmc_stage_get(&cs->e->stage, cls, dev, held ? 0 : -1, &cs->c->cut);
             if (k || !held)
                 return k;
         }

@@ -506,20 +506,6 @@ static size_t encode_request(int proto, const fmc_slice *s, int is_write, uint8_
  * lossy links), for a copy the sender's CPU can afford at network rates. */
 static int stream_zc(const fmc_stream *st) { return st->zc_link && fmc_zc_enabled(st->peer->engine); }
 
-/* A staging chunk for a side that holds none: free now, or waited for (by the deadline, or until
- * the stream dies) outside the I/O pool's cap, since other streams' pieces hold every one. */
-static fmc_chunk *first_chunk(fmc_stream *st, int cls, int dev, int64_t deadline_ms)
-{
-    fmc_stage_pool *pool = &st->peer->engine->stage;
-    fmc_chunk *k = fmc_stage_get(pool, cls, dev, 0, &st->dead);
-    if (!k) {
-        fmc_pool_blocking_begin();
-        k = fmc_stage_get(pool, cls, dev, deadline_ms, &st->dead);
-        fmc_pool_blocking_end();
-    }
-    return k;
-}
-
 /* A run of payloads spliced (counted for the engine's stats); by the deadline where one is set. */
 static int send_zc(fmc_stream *st, int fd, struct iovec *iov, int n, const uint8_t *zc, int64_t deadline_ms)
 {
@@ -612,8 +598,7 @@ static int send_gpu_round(fmc_stream *st, send_scratch *sc, int niov, int nw, in
         fmc_chunk *k = NULL;
         while (rc == 0 && !k) {
             if (count < FMC_STAGE_DEPTH)
-                k = count ? fmc_stage_get(pool, FMC_STAGE_SEND, dev, 0, &st->dead)
-                          : first_chunk(st, FMC_STAGE_SEND, dev, deadline_ms);
+                k = fmc_stage_get(pool, FMC_STAGE_SEND, dev, count ? 0 : deadline_ms, &st->dead);
             if (k || rc != 0)
                 break;
             if (!count) {
@@ -1036,8 +1021,7 @@ static fmc_chunk *rx_chunk(fmc_stream *st, rx_ring *r, int dev, fmc_slice_list *
     for (;;) {
         if (r->count == FMC_STAGE_DEPTH)
             land_oldest(st, r, done);
-        fmc_chunk *k = r->count ? fmc_stage_get(pool, FMC_STAGE_RECV, dev, 0, &st->dead)
-                                : first_chunk(st, FMC_STAGE_RECV, dev, -1);
+        fmc_chunk *k = fmc_stage_get(pool, FMC_STAGE_RECV, dev, r->count ? 0 : -1, &st->dead);
         if (k || !r->count)
             return k;
         land_oldest(st, r, done);
