@@ -193,6 +193,8 @@ int fmc_socket_reset(int fd);
  * one host, shares of 128-512 KiB moved 1.02-1.45x faster copied on 16 cores and 1.07-1.7x on
  * 2, where a call sent whole on one stream moved faster spliced (BENCHMARKS.md). */
 #define FMC_ZC_SHARE_MIN_BYTES (1u << 20)
+/* The least payload or answer that goes zero-copy: a share's, or any other's. */
+static inline uint64_t fmc_zc_least_bytes(int share) { return share ? FMC_ZC_SHARE_MIN_BYTES : FMC_ZC_MIN_BYTES; }
 int fmc_zc_usable(void); /* the kernel has not refused zero-copy sends in this process */
 int fmc_zc_enabled(const fmc_engine *e); /* usable, and the engine's zerocopy option is on */
 /* deadline_ms >= 0: give up at that time (fmc_now_ms clock), -2; else blocking.  -1 on error. */

@@ -478,7 +478,7 @@ static void queue_read_answer(fmc_conn_state *cs, const fmc_req *q, fmc_region *
     land_all(cs);
     cs->read_pins[cs->nread_pins++] = r;
     uint64_t id = q->id, addr = q->addr, len = q->len;
-    int zc = ((q->flags & FMC_REQ_SHARE) == 0 || len >= FMC_ZC_SHARE_MIN_BYTES) && zc_claim(cs, &r, 1, len);
+    int zc = len >= fmc_zc_least_bytes((q->flags & FMC_REQ_SHARE) != 0) && zc_claim(cs, &r, 1, len);
     push_header(cs, id, FMC_OK, len, zc ? FMC_RESP_ZC : 0);
     push_payload(cs, (void *)(uintptr_t)addr, len, zc);
 }

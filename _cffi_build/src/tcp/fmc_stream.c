@@ -460,8 +460,8 @@ static int end_round(fmc_stream *st, send_scratch *sc, int nw, int rc);
  * for a reset before it lands. */
 static int zero_copy_payload(const fmc_stream *st, const fmc_slice *s, int local_dev, uint64_t len, int vector)
 {
-    uint64_t least = vector || !s->batch->spread ? FMC_ZC_MIN_BYTES : FMC_ZC_SHARE_MIN_BYTES;
-    return local_dev < 0 && len >= least && st->peer->proto == FMC_PROTO_NATIVE;
+    return local_dev < 0 && len >= fmc_zc_least_bytes(!vector && s->batch->spread) &&
+           st->peer->proto == FMC_PROTO_NATIVE;
 }
 
 /* Small slices of one batch travel as vectors when the target takes them, from and into host or
