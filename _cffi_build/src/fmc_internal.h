@@ -584,6 +584,9 @@ enum { FMC_ROLE_OFF, FMC_ROLE_ARMED, FMC_ROLE_RUNNING, FMC_ROLE_DONE };
  * of first; `slot`: a stream whose fd holds it meanwhile (a kill interrupts the wait). */
 int fmc_open_data_connection(struct fmc_peer *p, int64_t deadline, uint64_t fenced, uint64_t *token,
                              fmc_stream *slot);
+/* A stream's reader moves to connection fd (tcp/fmc_connection.c): nothing buffered, and outside a
+ * deadline the socket's receive timeout is the stall tick fmc_open_data_connection set. */
+void fmc_stream_reader_attach(fmc_reader *rd, int fd);
 /* Reconnect a stream cut by a cancel (tcp/fmc_connection.c), with the target told to let go of
  * the old connection first; FMC_OK once the stream's socket is usable again. */
 int fmc_stream_reconnect(fmc_stream *st);

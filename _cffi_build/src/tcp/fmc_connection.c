@@ -132,6 +132,13 @@ int fmc_open_data_connection(fmc_peer *p, int64_t deadline, uint64_t fenced, uin
  * connection (so the stream's socket state is this worker's alone), with the cut
  * connection fenced at the target first.  A peer being closed interrupts it: the kill shuts the
  * socket being set up down.  Connecting is tried for the peer's connect timeout. */
+void fmc_stream_reader_attach(fmc_reader *rd, int fd)
+{
+    rd->fd = fd;
+    rd->start = rd->end = 0;
+    rd->base_timeout_ms = FMC_STALL_TICK_MS;
+}
+
 int fmc_stream_reconnect(fmc_stream *st)
 {
     fmc_peer *p = st->peer;
@@ -148,9 +155,7 @@ int fmc_stream_reconnect(fmc_stream *st)
     if (!closing) {
         st->fd = fd;
         st->token = token;
-        st->rd.fd = fd;
-        st->rd.start = st->rd.end = 0;
-        st->rd.base_timeout_ms = FMC_STALL_TICK_MS;
+        fmc_stream_reader_attach(&st->rd, fd);
         st->zc_link = 0; /* copied sends until fmc_zc_fence_attach finds the new far end */
         st->target_fd = -1;
         st->dead = 0;

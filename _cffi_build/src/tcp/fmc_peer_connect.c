@@ -50,7 +50,7 @@ static int stream_take(fmc_peer *p, int i, int fd, uint64_t token)
         close(fd);
         return FMC_ERR_MEMORY;
     }
-    st->rd.base_timeout_ms = FMC_STALL_TICK_MS; /* the socket's (fmc_open_data_connection) */
+    fmc_stream_reader_attach(&st->rd, fd);
     if (p->vectors)
         st->rd.max_read = 8u << 10; /* read vectors' payloads stay in the socket until scattered */
     pthread_mutex_lock(&st->mu);
