@@ -128,10 +128,6 @@ int fmc_open_data_connection(fmc_peer *p, int64_t deadline, uint64_t fenced, uin
     return stall_ticks(fd);
 }
 
-/* Connect a stream cut by a cancel again.  Called by the last of its sides to leave the old
- * connection (so the stream's socket state is this worker's alone), with the cut
- * connection fenced at the target first.  A peer being closed interrupts it: the kill shuts the
- * socket being set up down.  Connecting is tried for the peer's connect timeout. */
 void fmc_stream_reader_attach(fmc_reader *rd, int fd)
 {
     rd->fd = fd;
@@ -139,6 +135,10 @@ void fmc_stream_reader_attach(fmc_reader *rd, int fd)
     rd->base_timeout_ms = FMC_STALL_TICK_MS;
 }
 
+/* Connect a stream cut by a cancel again.  Called by the last of its sides to leave the old
+ * connection (so the stream's socket state is this worker's alone), with the cut
+ * connection fenced at the target first.  A peer being closed interrupts it: the kill shuts the
+ * socket being set up down.  Connecting is tried for the peer's connect timeout. */
 int fmc_stream_reconnect(fmc_stream *st)
 {
     fmc_peer *p = st->peer;
