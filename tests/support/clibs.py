@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+from support.sanitizer import environ_without_sanitizer
+
 HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
 
 
@@ -19,8 +21,6 @@ def build_helper_library(tmp_path_factory, source: str, *libs: str) -> str:
         pytest.skip(f"no C compiler to build tests/helpers/{source}")
     src = os.path.join(HELPERS, source)
     out = str(tmp_path_factory.mktemp("helper") / (os.path.splitext(source)[0] + ".so"))
-    # The compiler runs without the sanitizer that tests/asan/run_asan.sh preloads into the tests
-    # (and so into their children): its leak report would fail the build.
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, *libs], check=True, env=env)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", out, src, *libs], check=True,
+                   env=environ_without_sanitizer())
     return out

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from flagcx_mc._testing.node import NodeProcess
+from support.sanitizer import environ_without_sanitizer
 
 SUBNET = "10.77.0"
 NETNS_RUN_DIR = "/var/run/netns"
@@ -46,10 +47,8 @@ class NetnsError(RuntimeError):
 
 def _run(argv: list[str], *, check: bool = True, input: str | None = None,
          timeout: float = _COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
-    # System tools run without a preloaded sanitizer runtime (tests/asan/run_asan.sh sets one for
-    # the engines): its leak report at their exit would turn their status into a failure.
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout,
+                          env=environ_without_sanitizer())
     if check and proc.returncode != 0:
         raise NetnsError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
