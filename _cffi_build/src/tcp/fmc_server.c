@@ -584,17 +584,20 @@ static int handshake(fmc_conn_state *cs)
     return WIRE_NATIVE;
 }
 
-#ifndef ZC_DRAIN_SHIFT
-#define ZC_DRAIN_SHIFT 13
-#endif
+/* Microseconds an initiator takes to copy n bytes out of a zero-copy answer: n >> 13, 8 GB/s. */
+#define COPY_OUT_US(n) ((int)((n) >> 13))
+
 /* After answering a small request, poll briefly for the next one before sleeping (the
- * engine's spin_us): back-to-back small requests then find this thread awake. */
+ * engine's spin_us): back-to-back small requests then find this thread awake.  After a
+ * zero-copy answer (zc_out bytes) the window opens that much later: our send returned once the
+ * pages were queued, and the initiator copies them only then, so its next request comes after
+ * that copy (256 KiB reads of 4 KiB blocks on 2 CPUs: 12 % faster). */
 static int spin_for_more(const fmc_engine *e, fmc_reader *rd, size_t need, uint64_t last_len, uint64_t zc_out)
 {
     int spin = fmc_spin_us_after(e, last_len);
     if (spin <= 0)
         return 0;
-    spin += (int)(zc_out >> ZC_DRAIN_SHIFT);
+    spin += COPY_OUT_US(zc_out);
     FMC_TR(FMC_TR_SPIN, rd->fd, last_len);
     int64_t until = fmc_now_us() + spin;
     while (fmc_reader_buffered(rd) < need && fmc_now_us() < until) {
