@@ -591,7 +591,8 @@ static int handshake(fmc_conn_state *cs)
  * engine's spin_us): back-to-back small requests then find this thread awake.  After a
  * zero-copy answer (zc_out bytes) the window opens that much later: our send returned once the
  * pages were queued, and the initiator copies them only then, so its next request comes after
- * that copy (256 KiB reads of 4 KiB blocks on 2 CPUs: 12 % faster). */
+ * that copy (back-to-back 256 KiB reads on 2 CPUs found this thread asleep in 0-2 % of calls,
+ * against 12-26 %). */
 static int spin_for_more(const fmc_engine *e, fmc_reader *rd, size_t need, uint64_t last_len, uint64_t zc_out)
 {
     int spin = fmc_spin_us_after(e, last_len);
