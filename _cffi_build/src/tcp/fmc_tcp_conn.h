@@ -78,6 +78,7 @@ typedef struct fmc_conn_state {
     uint8_t *sink;                     /* refused vector entries are received here */
     uint64_t requests, vectors_answered, zc_answered; /* answered since the last flush */
     uint64_t last_len; /* bytes the last request moved: polling for the next pays only after small ones */
+    uint64_t zc_out;   /* zero-copy answer bytes the last send handed over (the initiator copies them after it) */
     uint64_t served_in, served_out; /* bytes since the last flush, added to the engine's counters there
                                        (one shared atomic add per request made the streams contend) */
     fmc_landing land[FMC_LANDINGS]; /* ring, oldest at land_head */
