@@ -592,13 +592,14 @@ static int handshake(fmc_conn_state *cs)
  * zero-copy answer (zc_out bytes) the window opens that much later: our send returned once the
  * pages were queued, and the initiator copies them only then, so its next request comes after
  * that copy (back-to-back 256 KiB reads on 2 CPUs found this thread asleep in 0-2 % of calls,
- * against 12-26 %). */
+ * against 12-26 %).  At most a small transfer's copy is added: after the answers to many reads
+ * the initiator takes long enough that polling would only burn a CPU. */
 static int spin_for_more(const fmc_engine *e, fmc_reader *rd, size_t need, uint64_t last_len, uint64_t zc_out)
 {
     int spin = fmc_spin_us_after(e, last_len);
     if (spin <= 0)
         return 0;
-    spin += COPY_OUT_US(zc_out);
+    spin += COPY_OUT_US(zc_out < FMC_SMALL_TRANSFER_BYTES ? zc_out : FMC_SMALL_TRANSFER_BYTES);
     FMC_TR(FMC_TR_SPIN, rd->fd, last_len);
     int64_t until = fmc_now_us() + spin;
     while (fmc_reader_buffered(rd) < need && fmc_now_us() < until) {
