@@ -218,9 +218,9 @@ static int initiator_gave_up(fmc_conn_state *cs, uint64_t payload_len)
  * reading them makes this a stall after FMC_PARK_MS (fmc_pool_stall). */
 static int send_answers(fmc_conn_state *cs)
 {
-    cs->zc_out = 0;
     if (!cs->niov)
-        return 0;
+        return 0; /* zc_out keeps the last answers that did go out */
+    cs->zc_out = 0;
     int rc;
     if (!cs->nzc) {
         rc = fmc_sendv_all(cs->c->fd, cs->iov, cs->niov);
